@@ -154,6 +154,11 @@ class DrafterConfig:
     """Target layers fused into the context, spread evenly between layer 1 and n_target-3."""
     mask_token_id: int = -1
     """-1: the tokenizer's mask token."""
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """sdpa: a dense mask; flex: flex_attention, which skips masked tiles but needs torch.compile
+    to be fast; auto: flex on CUDA when compiling, else sdpa."""
+    loss_chunk: int = 2048
+    """Block positions per chunk of the fused LM-head cross-entropy (bounds the logits in memory)."""
 
     def problems(self) -> list[str]:
         out = []
@@ -165,6 +170,8 @@ class DrafterConfig:
             out.append(f"drafter.num_anchors must be at least 1, got {self.num_anchors}")
         if not self.gamma > 0:
             out.append(f"drafter.gamma must be positive, got {self.gamma}")
+        if self.loss_chunk < 1:
+            out.append(f"drafter.loss_chunk must be at least 1, got {self.loss_chunk}")
         if self.num_context_layers < 1:
             out.append(f"drafter.num_context_layers must be at least 1, got {self.num_context_layers}")
         return out

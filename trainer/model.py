@@ -79,10 +79,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, return the input's dtype: under bf16 autocast the float32 weight
+        # would otherwise promote every activation after a norm back to float32.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (self.weight * x).to(dtype)
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,11 +102,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Masked attention. q: [b, h, Q, d]; k/v: [b, kv_h, K, d]; allowed: [b, Q, K] bool.
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed) -> torch.Tensor:
+    """Masked attention. q: [b, h, Q, d]; k/v: [b, kv_h, K, d].
 
-    GQA: each group of h/kv_h query heads shares one key/value head.
+    `allowed` is a dense [b, Q, K] bool mask (SDPA) or a flex_attention BlockMask (objective.
+    flex_block_mask), which skips the tiles the mask rules out. GQA: each group of h/kv_h query
+    heads shares one key/value head.
     """
+    if not isinstance(allowed, torch.Tensor):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        dtype = v.dtype
+        return flex_attention(
+            q.to(dtype), k.to(dtype), v, block_mask=allowed, enable_gqa=q.shape[1] != k.shape[1]
+        )
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
@@ -222,21 +233,81 @@ class DFlashDrafter(nn.Module):
         return self.shared.lm_head(hidden)
 
 
+class FrozenHeadCrossEntropy(torch.autograd.Function):
+    """Weighted cross-entropy sum through a frozen LM head, a chunk of positions at a time.
+
+    The head is frozen, so the only gradient needed is the one of the hidden states:
+    d/dh = (w * (softmax(h W^T) - onehot(label))) W. Each chunk's logits are made, turned into that
+    gradient and dropped in the forward pass, so at most chunk x vocab logits exist at once (at a
+    151936-token vocabulary and 8192 positions, the full float32 logits would be 5 GB, and their
+    gradient as much again), and backward only scales the stored gradient. Labels equal to -100
+    carry no loss.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, weights, chunk: int):
+        accumulate = torch.promote_types(head_weight.dtype, torch.float32)  # float32 at least
+        total = hidden.new_zeros((), dtype=accumulate)
+        grad_hidden = torch.empty_like(hidden)
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk].to(head_weight.dtype)
+            label = labels[start : start + chunk]
+            weight = weights[start : start + chunk].to(accumulate) * (label != -100)
+            target = label.clamp(min=0)
+            logits = (h @ head_weight.t()).to(accumulate)
+            log_norm = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, target[:, None]).squeeze(1)
+            total = total + ((log_norm - picked) * weight).sum()
+            grad_logits = torch.exp(logits - log_norm[:, None]) * weight[:, None]
+            grad_logits = grad_logits.scatter_add(1, target[:, None], -weight[:, None])
+            chunk_grad = grad_logits.to(head_weight.dtype) @ head_weight
+            grad_hidden[start : start + chunk] = chunk_grad.to(hidden.dtype)
+        ctx.save_for_backward(grad_hidden)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None
+
+
+def frozen_head_cross_entropy(hidden, head: nn.Module, labels, weights, chunk: int) -> torch.Tensor:
+    """sum_i weights_i * CE(head(hidden_i), labels_i) over flattened positions (chunked, see above).
+
+    A head with a bias or a trainable weight takes the plain path.
+    """
+    if getattr(head, "bias", None) is not None or head.weight.requires_grad:
+        logits = head(hidden).float()
+        per_token = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
+        return (per_token * weights).sum()
+    return FrozenHeadCrossEntropy.apply(hidden, head.weight, labels, weights, chunk)
+
+
 class DrafterObjective(nn.Module):
     """Training forward: weighted cross-entropy summed over supervised block positions.
 
     Returns the weighted loss *sum*; the coordinator divides by the global weight sum, so the
-    result is exact whatever the split of the batch over workers.
+    result is exact whatever the split of the batch over workers. The attention mask is built here
+    from the anchors, on their device: dense for SDPA, or a BlockMask for flex_attention.
     """
 
-    def __init__(self, drafter: DFlashDrafter):
+    def __init__(self, drafter: DFlashDrafter, attention: str = "sdpa", loss_chunk: int = 2048):
         super().__init__()
         self.drafter = drafter
+        self.attention = attention
+        self.loss_chunk = loss_chunk
 
-    def forward(self, target_features, block_ids, block_positions, allowed, labels, weights):
+    def forward(self, target_features, block_ids, block_positions, anchors, labels, weights):
+        from .objective import block_attention_mask, flex_block_mask
+
+        build_mask = flex_block_mask if self.attention == "flex" else block_attention_mask
+        block_size = block_ids.shape[1] // anchors.shape[1]
+        allowed = build_mask(anchors, target_features.shape[1], block_size)
         hidden = self.drafter.hidden(target_features, block_ids, block_positions, allowed)
-        logits = self.drafter.logits(hidden).float()
-        per_token = F.cross_entropy(
-            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"
+        return frozen_head_cross_entropy(
+            hidden.flatten(0, 1),
+            self.drafter.shared.lm_head,
+            labels.flatten(),
+            weights.flatten(),
+            self.loss_chunk,
         )
-        return (per_token * weights.flatten()).sum()

@@ -60,10 +60,20 @@ class Blocks:
     block_positions: torch.Tensor  # [b, A*B] anchor + k
     labels: torch.Tensor  # [b, A*B] token at anchor + k, or IGNORE
     weights: torch.Tensor  # [b, A*B] loss weight (0 where ignored)
-    attention_mask: torch.Tensor  # [b, A*B, L + A*B] True where a query may attend
+    anchors: torch.Tensor  # [b, A] anchor positions (the attention mask is built from them)
+    context_len: int
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """The dense mask, [b, A*B, L + A*B], on the anchors' device."""
+        return block_attention_mask(
+            self.anchors, self.context_len, self.block_ids.shape[1] // self.anchors.shape[1]
+        )
 
     def to(self, device: torch.device | str) -> Blocks:
-        return Blocks(*(getattr(self, f).to(device, non_blocking=True) for f in self.__dataclass_fields__))
+        tensors = ("block_ids", "block_positions", "labels", "weights", "anchors")
+        moved = {name: getattr(self, name).to(device, non_blocking=True) for name in tensors}
+        return Blocks(**moved, context_len=self.context_len)
 
 
 def build_blocks(
@@ -95,15 +105,44 @@ def build_blocks(
         block_positions=positions.flatten(1),
         labels=labels.flatten(1),
         weights=weights.flatten(1),
-        attention_mask=block_attention_mask(anchors, seq_len, block_size),
+        anchors=anchors,
+        context_len=seq_len,
     )
 
 
 def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """[b, A*B, context_len + A*B]: a block sees context before its anchor and all of itself."""
+    """[b, A*B, context_len + A*B]: a block sees context before its anchor and all of itself.
+
+    Built on the anchors' device, so a GPU step never copies this (large) mask from the host.
+    """
     batch, num_anchors = anchors.shape
+    device = anchors.device
     query_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, Q]
-    sees_context = torch.arange(context_len)[None, None, :] < query_anchor[:, :, None]
-    block_of = torch.arange(num_anchors).repeat_interleave(block_size)  # [Q]
+    sees_context = torch.arange(context_len, device=device)[None, None, :] < query_anchor[:, :, None]
+    block_of = torch.arange(num_anchors, device=device).repeat_interleave(block_size)  # [Q]
     sees_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)
     return torch.cat([sees_context, sees_block], dim=2)
+
+
+def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
+    """The same pattern as block_attention_mask, as a flex_attention BlockMask.
+
+    flex_attention skips every 128x128 tile the mask rules out; with sorted anchors a query tile
+    reaches only the context before its last anchor and the diagonal of the block part, so about
+    half the context and 1/64 of the block keys are computed, where dense SDPA computes all of them.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, num_anchors = anchors.shape
+    queries = num_anchors * block_size
+
+    def allowed(b, _h, q, kv):
+        block = q // block_size
+        in_context = kv < context_len
+        sees_context = in_context & (kv < anchors[b, block])
+        sees_own_block = ~in_context & ((kv - context_len) // block_size == block)
+        return sees_context | sees_own_block
+
+    return create_block_mask(
+        allowed, B=batch, H=None, Q_LEN=queries, KV_LEN=context_len + queries, device=anchors.device
+    )

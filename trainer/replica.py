@@ -38,6 +38,13 @@ def lr_lambda(total_steps: int, warmup_frac: float):
     return factor
 
 
+def resolve_attention(choice: str, device: torch.device, compile_mode: str) -> str:
+    """flex_attention only pays compiled on CUDA (eager, it materialises every score); else SDPA."""
+    if choice != "auto":
+        return choice
+    return "flex" if device.type == "cuda" and compile_mode != "none" else "sdpa"
+
+
 class Replica:
     def __init__(
         self, cfg: Config, device: torch.device, target, layer_ids: list[int], mask_id: int, rank: int
@@ -50,7 +57,8 @@ class Replica:
         self.rank = rank
         shape = DrafterShape.from_target(target.config, cfg.drafter.num_layers, len(layer_ids))
         self.drafter = DFlashDrafter(shape, shared_parts(target)).to(device)
-        self.objective = DrafterObjective(self.drafter)
+        self.attention = resolve_attention(cfg.drafter.attention, device, cfg.compile.mode)
+        self.objective = DrafterObjective(self.drafter, self.attention, cfg.drafter.loss_chunk)
         self.forward = self.objective
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -99,7 +107,7 @@ class Replica:
                 features.to(self.drafter.fc.weight.dtype),
                 blocks.block_ids,
                 blocks.block_positions,
-                blocks.attention_mask,
+                blocks.anchors,
                 blocks.labels,
                 blocks.weights,
             )

@@ -1,0 +1,43 @@
+"""The fast paths against the plain ones: the chunked frozen-head loss and flex_attention's mask."""
+
+import torch
+import torch.nn.functional as F
+
+from trainer.model import attend, frozen_head_cross_entropy
+from trainer.objective import IGNORE, block_attention_mask, flex_block_mask
+
+
+def test_chunked_frozen_head_loss_matches_plain_cross_entropy_and_its_gradient():
+    torch.manual_seed(0)
+    positions, hidden_size, vocab = 37, 16, 53
+    head = torch.nn.Linear(hidden_size, vocab, bias=False).double().requires_grad_(False)
+    labels = torch.randint(0, vocab, (positions,))
+    labels[::5] = IGNORE
+    weights = torch.rand(positions, dtype=torch.float64)
+    hidden = torch.randn(positions, hidden_size, dtype=torch.float64, requires_grad=True)
+
+    plain = (F.cross_entropy(head(hidden), labels, ignore_index=IGNORE, reduction="none") * weights).sum()
+    (plain_grad,) = torch.autograd.grad(plain, hidden)
+
+    fused_hidden = hidden.detach().clone().requires_grad_(True)
+    fused = frozen_head_cross_entropy(fused_hidden, head, labels, weights, chunk=8)  # 5 chunks, last short
+    (2.0 * fused).backward()  # an upstream factor must scale the stored gradient
+
+    assert torch.allclose(fused, plain, rtol=1e-10)
+    assert torch.allclose(fused_hidden.grad, 2.0 * plain_grad, rtol=1e-8, atol=1e-12)
+    assert fused_hidden.grad[::5].abs().sum() == 0  # ignored positions get no gradient
+
+
+def test_flex_block_mask_gives_the_same_attention_as_the_dense_mask():
+    torch.manual_seed(0)
+    batch, heads, kv_heads, head_dim, context_len, block_size = 2, 4, 2, 8, 40, 4
+    anchors = torch.tensor([[3, 17, 30, 0], [5, 6, 38, 39]])  # row 0 ends with a padded anchor
+    queries = anchors.shape[1] * block_size
+    q = torch.randn(batch, heads, queries, head_dim)
+    k = torch.randn(batch, kv_heads, context_len + queries, head_dim)
+    v = torch.randn(batch, kv_heads, context_len + queries, head_dim)
+
+    dense = attend(q, k, v, block_attention_mask(anchors, context_len, block_size))
+    flex = attend(q, k, v, flex_block_mask(anchors, context_len, block_size))
+
+    assert torch.allclose(flex, dense, atol=1e-5)
