@@ -177,9 +177,11 @@ def run_setting(name, shape, devices, targets, args, out_dir) -> dict:
 
     try:
         topology.start(lambda: False)
+        log(f"replicas built, compiled and warmed up after {time.perf_counter() - started:.1f}s")
         topology.step(*batch())
         synchronize(devices)
         first_step_s = time.perf_counter() - started
+        log(f"first step done after {first_step_s:.1f}s")
         for _ in range(args.warmup):
             topology.step(*batch())
         synchronize(devices)
@@ -230,6 +232,14 @@ def profile_steps(topology, batch, devices, trace_path: Path) -> None:
         prof.export_chrome_trace(str(trace_path))
 
 
+def format_row(r: dict) -> str:
+    return (
+        f"{r['setting']:28} {r['gpus']:>4} {r['step_s']:>8.3f} {r['tokens_per_s']:>9.0f} "
+        f"{r['samples_per_s']:>9.2f} {r['tflops']:>8.1f} {r['mfu']:>6.1%} {r['of_790']:>6.1%} "
+        f"{r['peak_gib']:>8.1f} {r['first_step_s']:>10.1f}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
@@ -270,6 +280,7 @@ def main() -> int:
     for name in settings:
         print(f"setting {name} ...", flush=True)
         rows.append(run_setting(name, shape, devices, targets, args, out_dir))
+        print("  " + format_row(rows[-1]), flush=True)
 
     header = (
         f"{'setting':28} {'gpus':>4} {'step s':>8} {'tok/s':>9} {'samples/s':>9} {'TFLOP/s':>8} "
@@ -277,11 +288,7 @@ def main() -> int:
     )
     print("\n" + header)
     for r in rows:
-        print(
-            f"{r['setting']:28} {r['gpus']:>4} {r['step_s']:>8.3f} {r['tokens_per_s']:>9.0f} "
-            f"{r['samples_per_s']:>9.2f} {r['tflops']:>8.1f} {r['mfu']:>6.1%} {r['of_790']:>6.1%} "
-            f"{r['peak_gib']:>8.1f} {r['first_step_s']:>10.1f}"
-        )
+        print(format_row(r))
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1))
     return 0
