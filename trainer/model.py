@@ -245,33 +245,42 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, chunk: int):
-        accumulate = torch.promote_types(head_weight.dtype, torch.float32)  # float32 at least
-        total = hidden.new_zeros((), dtype=accumulate)
+    def forward(ctx, hidden, head_weight, labels, weights, chunk: int, chunk_fn=None):
+        chunk_fn = chunk_fn or loss_and_grad_of_chunk
+        total = None
         grad_hidden = torch.empty_like(hidden)
         for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start : start + chunk].to(head_weight.dtype)
-            label = labels[start : start + chunk]
-            weight = weights[start : start + chunk].to(accumulate) * (label != -100)
-            target = label.clamp(min=0)
-            logits = (h @ head_weight.t()).to(accumulate)
-            log_norm = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, target[:, None]).squeeze(1)
-            total = total + ((log_norm - picked) * weight).sum()
-            grad_logits = torch.exp(logits - log_norm[:, None]) * weight[:, None]
-            grad_logits = grad_logits.scatter_add(1, target[:, None], -weight[:, None])
-            chunk_grad = grad_logits.to(head_weight.dtype) @ head_weight
-            grad_hidden[start : start + chunk] = chunk_grad.to(hidden.dtype)
+            part = slice(start, start + chunk)
+            loss, grad = chunk_fn(hidden[part], head_weight, labels[part], weights[part])
+            total = loss if total is None else total + loss
+            grad_hidden[part] = grad
         ctx.save_for_backward(grad_hidden)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None
 
 
-def frozen_head_cross_entropy(hidden, head: nn.Module, labels, weights, chunk: int) -> torch.Tensor:
+def loss_and_grad_of_chunk(hidden, head_weight, labels, weights):
+    """Weighted CE sum of one chunk of positions and its gradient with respect to `hidden`."""
+    accumulate = torch.promote_types(head_weight.dtype, torch.float32)  # float32 at least
+    weight = weights.to(accumulate) * (labels != -100)
+    target = labels.clamp(min=0)
+    logits = (hidden.to(head_weight.dtype) @ head_weight.t()).to(accumulate)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, target[:, None]).squeeze(1)
+    loss = ((log_norm - picked) * weight).sum()
+    grad_logits = torch.exp(logits - log_norm[:, None]) * weight[:, None]
+    grad_logits = grad_logits.scatter_add(1, target[:, None], -weight[:, None])
+    grad = (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
+    return loss, grad
+
+
+def frozen_head_cross_entropy(
+    hidden, head: nn.Module, labels, weights, chunk: int, chunk_fn=None
+) -> torch.Tensor:
     """sum_i weights_i * CE(head(hidden_i), labels_i) over flattened positions (chunked, see above).
 
     A head with a bias or a trainable weight takes the plain path.
@@ -280,7 +289,7 @@ def frozen_head_cross_entropy(hidden, head: nn.Module, labels, weights, chunk: i
         logits = head(hidden).float()
         per_token = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
         return (per_token * weights).sum()
-    return FrozenHeadCrossEntropy.apply(hidden, head.weight, labels, weights, chunk)
+    return FrozenHeadCrossEntropy.apply(hidden, head.weight, labels, weights, chunk, chunk_fn)
 
 
 class DrafterObjective(nn.Module):
@@ -296,13 +305,22 @@ class DrafterObjective(nn.Module):
         self.drafter = drafter
         self.attention = attention
         self.loss_chunk = loss_chunk
+        self.loss_chunk_fn = loss_and_grad_of_chunk  # replaced by its compiled form (regional compile)
+        self.flex_mask = None  # one FlexBlockMask per shape, kept across steps (see its docstring)
 
     def forward(self, target_features, block_ids, block_positions, anchors, labels, weights):
-        from .objective import block_attention_mask, flex_block_mask
+        from .objective import FlexBlockMask, block_attention_mask
 
-        build_mask = flex_block_mask if self.attention == "flex" else block_attention_mask
-        block_size = block_ids.shape[1] // anchors.shape[1]
-        allowed = build_mask(anchors, target_features.shape[1], block_size)
+        context_len, block_size = target_features.shape[1], block_ids.shape[1] // anchors.shape[1]
+        if self.attention == "flex":
+            if self.flex_mask is None or (self.flex_mask.context_len, self.flex_mask.block_size) != (
+                context_len,
+                block_size,
+            ):
+                self.flex_mask = FlexBlockMask(context_len, block_size)
+            allowed = self.flex_mask(anchors)
+        else:
+            allowed = block_attention_mask(anchors, context_len, block_size)
         hidden = self.drafter.hidden(target_features, block_ids, block_positions, allowed)
         return frozen_head_cross_entropy(
             hidden.flatten(0, 1),
@@ -310,4 +328,5 @@ class DrafterObjective(nn.Module):
             labels.flatten(),
             weights.flatten(),
             self.loss_chunk,
+            self.loss_chunk_fn,
         )

@@ -124,25 +124,49 @@ def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: in
     return torch.cat([sees_context, sees_block], dim=2)
 
 
-def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
-    """The same pattern as block_attention_mask, as a flex_attention BlockMask.
+class FlexBlockMask:
+    """The pattern of block_attention_mask as a flex_attention BlockMask, for one run's shapes.
 
     flex_attention skips every 128x128 tile the mask rules out; with sorted anchors a query tile
     reaches only the context before its last anchor and the diagonal of the block part, so about
     half the context and 1/64 of the block keys are computed, where dense SDPA computes all of them.
+
+    The mask function is a method of this long-lived object and reads the anchors from it: compiled
+    layers receive the BlockMask, and a new closure every step would be a new function to Dynamo,
+    which would then compile the layers again at every step.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
 
-    batch, num_anchors = anchors.shape
-    queries = num_anchors * block_size
+    def __init__(self, context_len: int, block_size: int):
+        self.context_len = context_len
+        self.block_size = block_size
+        self.anchors: torch.Tensor | None = None
+        holder = self
 
-    def allowed(b, _h, q, kv):
-        block = q // block_size
-        in_context = kv < context_len
-        sees_context = in_context & (kv < anchors[b, block])
-        sees_own_block = ~in_context & ((kv - context_len) // block_size == block)
-        return sees_context | sees_own_block
+        def allowed(b, _h, q, kv):  # made once, so the same function object every step
+            block = q // block_size
+            in_context = kv < context_len
+            sees_context = in_context & (kv < holder.anchors[b, block])
+            sees_own_block = ~in_context & ((kv - context_len) // block_size == block)
+            return sees_context | sees_own_block
 
-    return create_block_mask(
-        allowed, B=batch, H=None, Q_LEN=queries, KV_LEN=context_len + queries, device=anchors.device
-    )
+        self.mask_mod = allowed
+
+    def __call__(self, anchors: torch.Tensor):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        self.anchors = anchors
+        batch, num_anchors = anchors.shape
+        queries = num_anchors * self.block_size
+        return create_block_mask(
+            self.mask_mod,
+            B=batch,
+            H=None,
+            Q_LEN=queries,
+            KV_LEN=self.context_len + queries,
+            device=anchors.device,
+        )
+
+
+def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
+    """A BlockMask for these anchors (see FlexBlockMask)."""
+    return FlexBlockMask(context_len, block_size)(anchors)

@@ -42,6 +42,11 @@ class WorkerFailed(Exception):
 def average_gradients(replicas: list[Replica], total_weight: float) -> None:
     """Every replica's gradient becomes sum(all replicas' gradients) / total_weight."""
     scale = 1.0 / max(total_weight, 1e-12)
+    if len(replicas) == 1:  # nothing to exchange: scale in place, no flatten/unflatten copies
+        for param in replicas[0].params:
+            if param.grad is not None:
+                param.grad.mul_(scale)
+        return
     grads = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in r.params] for r in replicas]
     flats = [_flatten_dense_tensors(g) for g in grads]
     if len(flats) > 1:

@@ -67,3 +67,31 @@ def test_compiled_flex_objective_matches_eager_sdpa_in_a_worker_thread():
     for mine, theirs in zip(flex.parameters(), reference.parameters(), strict=True):
         relative = (mine.grad - theirs.grad).norm() / theirs.grad.norm()
         assert relative < 5e-2, f"gradient differs by {relative:.3g}"
+
+
+def test_regional_compile_does_not_recompile_across_steps():
+    from torch._dynamo.utils import counters
+
+    objective = _objective("flex")
+    for layer in objective.drafter.layers:
+        layer.compile(dynamic=False)
+    objective.loss_chunk_fn = torch.compile(objective.loss_chunk_fn, dynamic=False)
+    graphs_after = []
+    for step in range(3):  # new anchors (and a new BlockMask) every step, same shapes
+        ids = torch.randint(0, 500, (2, 256))
+        anchors, valid = sample_anchors(torch.ones_like(ids), 16, torch.Generator().manual_seed(step))
+        blocks = build_blocks(ids, torch.ones_like(ids), anchors, valid, 16, 511, 7.0).to("cuda")
+        features = torch.randn(2, 256, 2 * 128, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = objective(
+                features,
+                blocks.block_ids,
+                blocks.block_positions,
+                blocks.anchors,
+                blocks.labels,
+                blocks.weights,
+            )
+        loss.backward()
+        graphs_after.append(counters["stats"]["unique_graphs"])
+    assert graphs_after[0] > 0
+    assert graphs_after[2] == graphs_after[0], f"recompiled: unique graphs per step {graphs_after}"
