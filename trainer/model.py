@@ -117,10 +117,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed) -> torch.
             q.to(dtype), k.to(dtype), v, block_mask=allowed, enable_gqa=q.shape[1] != k.shape[1]
         )
     groups = q.shape[1] // k.shape[1]
-    if groups > 1:
+    if q.is_cuda and groups > 1:
+        # With a mask, CUDA's memory-efficient SDPA kernel takes no enable_gqa: expand K/V instead
+        # of falling back to the math kernel, which would materialise every score.
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+        groups = 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=groups > 1)
 
 
 class DrafterAttention(nn.Module):
