@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# End to end on a GPU machine that plays CT 200 (inventory/gpu: local connection, GPUs required,
+# the real nvidia-smi), with ansible-playbook on PATH and a CUDA build of torch in python3:
+#   1. a process we start holds GPU memory: launch.yml must refuse, naming that GPU;
+#   2. once it is gone: launch.yml -e run=RUN starts the trainer (its log shows the compile line
+#      and progress), status.yml reports it, stop.yml leaves a checkpoint;
+#   3. launch.yml -e run=RUN -e resume=true resumes from that checkpoint; stop again.
+# Usage: scripts/gpu_e2e.sh [RUN] (default nographs). Logs go to $OUT (default /tmp/gpu_e2e).
+# Every process it starts is ended by PID, also on failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN=${1:-nographs}
+OUT=${OUT:-/tmp/gpu_e2e}
+mkdir -p "$OUT"
+export ANSIBLE_CONFIG="$PWD/ansible.cfg" PYTHONUNBUFFERED=1
+INVENTORY=inventory/gpu
+busy_pid=""
+cleanup() {
+    if [ -n "$busy_pid" ] && kill -0 "$busy_pid" 2>/dev/null; then kill "$busy_pid"; fi
+    ansible-playbook -i "$INVENTORY" playbooks/stop.yml >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+
+playbook() {  # playbook NAME LOG [ansible-playbook args...]
+    local name=$1 log=$2
+    shift 2
+    local started=$SECONDS
+    local rc=0
+    ansible-playbook -i "$INVENTORY" "playbooks/$name.yml" "$@" >"$OUT/$log" 2>&1 || rc=$?
+    echo "   $name.yml rc=$rc in $((SECONDS - started)) s (log: $log)"
+    return $rc
+}
+
+gpu_memory_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1 | tr -d ' '; }
+
+echo "== GPUs"
+nvidia-smi --query-gpu=index,name,memory.used,utilization.gpu --format=csv,noheader
+
+echo "== 1. another process holds GPU 0: the preflight must refuse"
+python3 -c '
+import time, torch
+held = torch.empty(20 * 2**30, dtype=torch.uint8, device="cuda:0")
+a = torch.randn(4096, 4096, device="cuda:0", dtype=torch.bfloat16)
+end = time.time() + 180
+while time.time() < end:
+    a @ a
+' &
+busy_pid=$!
+for _ in $(seq 60); do [ "$(gpu_memory_used)" -gt 10000 ] && break; sleep 1; done
+echo "   holder pid $busy_pid, GPU 0 memory used $(gpu_memory_used) MiB"
+if playbook launch launch_busy.log -e "run=$RUN"; then
+    echo "FAIL: the launch went ahead on a busy GPU"
+    exit 1
+fi
+grep -m3 -E "GPU 0|busy" "$OUT/launch_busy.log" | sed 's/^/   /'
+kill "$busy_pid"
+wait "$busy_pid" 2>/dev/null || true
+busy_pid=""
+for _ in $(seq 60); do [ "$(gpu_memory_used)" -lt 1024 ] && break; sleep 1; done
+echo "   holder ended, GPU 0 memory used $(gpu_memory_used) MiB"
+
+echo "== 2. launch, status, stop"
+playbook launch launch.log -e "run=$RUN"
+tail -n 12 "$OUT/launch.log" | sed 's/^/   /'
+log=$(ls .state/workspace/train_*"$RUN"*.log | head -1)
+grep -m1 "compiling forward" "$log" | sed 's/^/   /'
+sleep 20
+playbook status status.log
+grep -E "state|progress|tau|GPU" "$OUT/status.log" | head -12 | sed 's/^/   /'
+playbook stop stop.log
+grep -E "checkpoint|stopped|SIGKILL" "$OUT/stop.log" | head -5 | sed 's/^/   /'
+ls ".state/workspace/runs/$RUN/checkpoints" | sed 's/^/   checkpoint: /'
+
+echo "== 3. resume from that checkpoint"
+playbook launch launch_resume.log -e "run=$RUN" -e resume=true
+sleep 10
+grep -m1 "resumed from" "$log" | sed 's/^/   /'
+playbook stop stop_resume.log
+cp "$log" "$OUT/"
+grep -E "drafter on|^step|^eval|checkpoint saved|resumed|stopped" "$log" | tail -n 20 | sed 's/^/   /'
+echo "== done"
