@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,19 @@ def test_status_reports_gpus_and_a_reused_pid(state_dir: Path) -> None:
     assert status["gpus"][0]["memory_used_mib"] == 0
     assert ctl.stop()["state_before"] == "not_ours"
     assert Path(f"/proc/{me}").exists()
+
+
+@pytest.mark.slow
+def test_stop_kills_a_trainer_that_does_not_exit(state_dir: Path) -> None:
+    """SIGTERM cannot end a stopped process: after run_stop_timeout stop.yml sends SIGKILL and says so."""
+    ctl = make_controller(state_dir, run_wait_enabled=False)
+    try:
+        record = ctl.launch("nographs")
+        os.kill(record["pid"], signal.SIGSTOP)  # our own trainer, by its PID
+        stopped = ctl.stop(run_stop_timeout=1)
+        assert stopped["killed"] is True
+        assert "sent SIGKILL" in stopped["msg"]
+        assert ledger(state_dir)[0]["state"] == "stopped" and ledger(state_dir)[0]["killed"] is True
+        assert ctl.status()["state"] == "exited"
+    finally:
+        stop_leftovers(ctl, state_dir)
