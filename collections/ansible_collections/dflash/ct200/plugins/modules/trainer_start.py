@@ -76,6 +76,7 @@ import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
+    exit_from_log,
     is_trainer_cmdline,
     probe,
     tail,
@@ -120,14 +121,22 @@ def main() -> None:
         time.sleep(POLL_S)
         current = probe(pid, None, None, None)
     if not current["alive"] or not is_trainer_cmdline(current["cmdline"], params["run"]):
-        what = "exited" if not current["alive"] else "not the trainer: " + " ".join(current["cmdline"])
+        time.sleep(0.2)  # let an exiting trainer's last lines reach the log
+        log_tail = tail(params["log"], params["tail_lines"])
+        if current["alive"]:
+            what = "is not the trainer: " + " ".join(current["cmdline"])
+        else:
+            status = exit_from_log(log_tail)["exit_status"]
+            shown = "unknown (the log does not say)" if status is None else str(status)
+            what = f"exited; exit status: {shown}"
         module.fail_json(
             msg=(
-                f"{params['script']} started as PID {pid} but it is {what} (run {params['run']}). "
-                f"Last lines of {params['log']}:\n" + "\n".join(tail(params["log"], params["tail_lines"]))
+                f"{params['script']} started as PID {pid} (run {params['run']}) but it {what}. "
+                f"Last lines of {params['log']}:\n" + "\n".join(log_tail)
             ),
             changed=True,
             pid=pid,
+            boot_id=current.get("boot_id"),
         )
     module.exit_json(
         changed=True,
