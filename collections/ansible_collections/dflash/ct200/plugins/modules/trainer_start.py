@@ -23,9 +23,17 @@ options:
     type: path
     required: true
   log:
-    description: The log file for the trainer's stdout and stderr (truncated).
+    description:
+      - The log file for the trainer's stdout and stderr.
+      - A log left by an earlier start is kept, renamed with the time it was last written
+        (C(<log>.<YYYYmmddTHHMMSSZ>)), so a relaunch never loses the previous run's output.
     type: path
     required: true
+  args:
+    description: Arguments passed to O(script) (run.sh hands them to the trainer, e.g. C(--resume)).
+    type: list
+    elements: str
+    default: []
   run:
     description: The run name the trainer's command line must carry.
     type: str
@@ -51,6 +59,10 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+kept_log:
+  description: Where the earlier start's log was moved, if there was one.
+  type: str
+  returned: success
 pid:
   description: The trainer's PID.
   type: int
@@ -86,6 +98,24 @@ from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
 POLL_S = 0.05
 
 
+def keep_earlier_log(path: str) -> str | None:
+    """Rename a non-empty log of an earlier start to <path>.<its mtime, UTC>; return the new name."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    if info.st_size == 0:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(info.st_mtime))
+    kept = f"{path}.{stamp}"
+    suffix = 1
+    while os.path.exists(kept):
+        kept = f"{path}.{stamp}-{suffix}"
+        suffix += 1
+    os.rename(path, kept)
+    return kept
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
@@ -93,6 +123,7 @@ def main() -> None:
             "log": {"type": "path", "required": True},
             "run": {"type": "str", "required": True},
             "settle": {"type": "float", "default": 10},
+            "args": {"type": "list", "elements": "str", "default": []},
             "tail_lines": {"type": "int", "default": 20},
         },
         supports_check_mode=True,
@@ -103,9 +134,10 @@ def main() -> None:
     if module.check_mode:
         module.exit_json(changed=True, msg=f"would start {params['script']} detached (log {params['log']})")
 
+    kept = keep_earlier_log(params["log"])
     with open(params["log"], "wb") as log, open(os.devnull, "rb") as devnull:
         process = subprocess.Popen(
-            [params["script"]],
+            [params["script"], *params["args"]],
             stdin=devnull,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -147,6 +179,7 @@ def main() -> None:
         )
     module.exit_json(
         changed=True,
+        kept_log=kept,
         pid=pid,
         start_time=current["start_time"],
         boot_id=current["boot_id"],
