@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,9 @@ class Replica:
         shape = DrafterShape.from_target(target.config, cfg.drafter.num_layers, len(layer_ids))
         self.drafter = DFlashDrafter(shape, shared_parts(target)).to(device)
         self.objective = DrafterObjective(self.drafter)
-        self.forward = self.objective
+        self.module: torch.nn.Module = self.objective
+        """What the step calls: the objective, or a wrapper around it (DDP in the process topology)."""
+        self.forward = self.module
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95)
@@ -63,13 +66,18 @@ class Replica:
         self.anchor_generator = torch.Generator().manual_seed(cfg.train.seed * 1000 + rank + 1)
         self.autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
 
+    def wrap(self, wrapper: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
+        """Put a wrapper around the objective (DDP in the process topology); before compile()."""
+        self.module = wrapper(self.objective)
+        self.forward = self.module
+
     def compile(self) -> None:
-        """Wrap the objective with torch.compile per the config (a no-op for mode none)."""
+        """Wrap the objective (or its wrapper) with torch.compile per the config (none: no-op)."""
         c = self.cfg.compile
         if c.mode == "none":
             return
         self.forward = torch.compile(
-            self.objective, dynamic=c.dynamic, fullgraph=c.fullgraph, options=c.inductor_options()
+            self.module, dynamic=c.dynamic, fullgraph=c.fullgraph, options=c.inductor_options()
         )
 
     def warm_up(self) -> None:
@@ -86,14 +94,27 @@ class Replica:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def compute(
-        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None = None
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        generator: torch.Generator | None = None,
+        loss_scale: Callable[[float], float] | None = None,
     ) -> StepResult:
-        """Forward and backward of the weighted loss sum on this shard; gradients accumulate."""
+        """Forward and backward of the weighted loss sum on this shard; gradients accumulate.
+
+        loss_scale, given this shard's weight sum, returns the factor the loss is multiplied by
+        before backward (the process topology: world_size / global weight sum, as DDP averages).
+        """
         d = self.cfg.drafter
         anchors, valid = sample_anchors(loss_mask, d.num_anchors, generator or self.anchor_generator)
         blocks = build_blocks(input_ids, loss_mask, anchors, valid, d.block_size, self.mask_id, d.gamma)
+        weight_sum = float(blocks.weights.sum())
+        scale = 1.0 if loss_scale is None else loss_scale(weight_sum)
         blocks = blocks.to(self.device)
         features = target_features(self.target, input_ids.to(self.device), self.layer_ids)
+        if self.cfg.compile.uses_cudagraphs:
+            # A new step: outputs of the previous replay may be overwritten from here on.
+            torch.compiler.cudagraph_mark_step_begin()
         with self._autocast():
             loss_sum = self.forward(
                 features.to(self.drafter.fc.weight.dtype),
@@ -103,8 +124,8 @@ class Replica:
                 blocks.labels,
                 blocks.weights,
             )
-        loss_sum.backward()
-        return StepResult(float(loss_sum.detach()), float(blocks.weights.sum()), input_ids.numel())
+        (loss_sum * scale if scale != 1.0 else loss_sum).backward()
+        return StepResult(float(loss_sum.detach()), weight_sum, input_ids.numel())
 
     def apply_update(self) -> float:
         """Clip, step the optimizer and the schedule, clear gradients. Returns the gradient norm."""

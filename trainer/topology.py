@@ -51,7 +51,9 @@ def average_gradients(replicas: list[Replica], total_weight: float) -> None:
             total = flats[0].clone()
             for other in flats[1:]:
                 total += other.to(total.device)
-            flats = [total.to(f.device) for f in flats]
+            # A copy each: two replicas on one device (CPU workers) must not share one buffer, or
+            # the in-place scaling below would apply twice.
+            flats = [total.to(f.device, copy=True) for f in flats]
     for replica, replica_grads, flat in zip(replicas, grads, flats, strict=True):
         flat.mul_(scale)
         for param, grad in zip(replica.params, _unflatten_dense_tensors(flat, replica_grads), strict=True):
