@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -130,12 +131,15 @@ class ProcessTopology:
         replica.wrap(self._ddp)
 
     def _ddp(self, module: torch.nn.Module) -> DistributedDataParallel:
-        ddp = DistributedDataParallel(
-            module,
-            device_ids=[self.world.device] if self.world.device.type == "cuda" else None,
-            broadcast_buffers=False,  # the buffers (rotary tables) are constants, equal everywhere
-            gradient_as_bucket_view=True,
-        )
+        with warnings.catch_warnings():
+            # Newer torch renames broadcast_buffers; the old name keeps working on every version.
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+            ddp = DistributedDataParallel(
+                module,
+                device_ids=[self.world.device] if self.world.device.type == "cuda" else None,
+                broadcast_buffers=False,  # the buffers (rotary tables) are constants, equal everywhere
+                gradient_as_bucket_view=True,
+            )
 
         # Unannotated on purpose: DDP checks the hook's annotations against the real classes, and
         # `from __future__ import annotations` would turn them into strings.
