@@ -105,7 +105,7 @@ class CompileConfig:
 class TrainConfig:
     """The optimisation: steps, batch, schedule, and the cadence of logging, evaluation, checkpoints."""
 
-    steps: int = 300
+    steps: int = 200
     seed: int = 0
     batch_size: int = 8
     """Sequences per worker per step."""

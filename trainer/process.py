@@ -152,8 +152,8 @@ class ProcessTopology:
         ddp.register_comm_hook(None, sum_then_scale)
         return ddp
 
-    def start(self, should_stop: Callable[[], bool]) -> bool:
-        """Compile and warm up (the warm-up's backward is DDP's first all-reduce). False if stopped."""
+    def launch(self) -> None:
+        """Compile and warm up now, in this process (the warm-up's backward is DDP's first all-reduce)."""
         cfg = self.replica.cfg
         if cfg.compile.mode != "none":
             self.log(
@@ -162,6 +162,9 @@ class ProcessTopology:
             )
         self.replica.compile()
         self.replica.warm_up()
+
+    def wait_ready(self, should_stop: Callable[[], bool]) -> bool:
+        """Every rank is warmed up (launch returned); False on every rank if any was asked to stop."""
         return not self.world.any(should_stop())
 
     def _loss_scale(self, weight_sum: float) -> float:
