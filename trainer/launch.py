@@ -12,8 +12,11 @@ parallel.shutdown_timeout_s for the ranks after forwarding (rank 0 checkpoints m
 kills them. The trainer arguments go after `--`: torchrun's own parser would otherwise take the
 trainer's `--run` for an abbreviation of its `--run-path`.
 
-The config is validated here first (the same checks as `--check`), so bad input fails before any
-process starts. `--dry-run` prints the command instead of running it.
+The config is resolved here first (profile, machine config, --set), so bad settings fail before any
+process starts; the machine checks (paths, devices) run in every rank as in `python -m trainer`.
+No torch import here (it takes seconds; launch.yml waits only briefly for the exec chain): GPUs are
+counted from parallel.devices, CUDA_VISIBLE_DEVICES or the /dev/nvidiaN device nodes.
+`--dry-run` prints the command instead of running it.
 """
 
 from __future__ import annotations
@@ -45,12 +48,23 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_args(argv[:split]), argv[split + 1 :]
 
 
+def gpus_on_this_host(devices: str) -> int:
+    """The GPUs parallel.devices means here, counted without CUDA: a list names them; auto means
+    every visible one (CUDA_VISIBLE_DEVICES if set, else the /dev/nvidiaN nodes); cpu none."""
+    devices = devices.strip()
+    if devices == "cpu":
+        return 0
+    if devices != "auto":
+        return len([name for name in devices.split(",") if name.strip().startswith("cuda")])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([name for name in visible.split(",") if name.strip() and name.strip() != "-1"])
+    return len([node for node in Path("/dev").glob("nvidia[0-9]*") if node.name[6:].isdigit()])
+
+
 def workers_on_this_host(cfg) -> int:
     """One process per GPU of parallel.devices; parallel.cpu_workers where there is none."""
-    from .environment import resolve_devices
-
-    devices = resolve_devices(cfg.parallel.devices)
-    return len(devices) if devices[0].type == "cuda" else cfg.parallel.cpu_workers
+    return gpus_on_this_host(cfg.parallel.devices) or cfg.parallel.cpu_workers
 
 
 def command(launch: argparse.Namespace, trainer_argv: list[str], cfg) -> list[str]:
@@ -90,14 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--nproc-per-node must not be negative, got {launch.nproc_per_node}")
     args = parse_trainer_args(trainer_argv)
     from .config import ConfigError, load_config
-    from .environment import check_machine
 
-    out_dir = Path(args.out or f"runs/{args.run}").expanduser().absolute()
     try:
         cfg = load_config(args.run, args.config, args.sets, args.steps, args.seed)
     except ConfigError as exc:
         return fail(problems + exc.problems)
-    problems += check_machine(cfg, out_dir, args.resume)
     if problems:
         return fail(problems)
     cmd = command(launch, trainer_argv, cfg)
