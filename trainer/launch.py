@@ -1,8 +1,9 @@
 """Start a run the way its profile says: `python -m trainer.launch [TORCHRUN OPTIONS] -- TRAINER ARGS`.
 
 run.topology threaded: exec `python -m trainer TRAINER ARGS`. run.topology process: exec torchrun
-(`python -m torch.distributed.run`, the same program as the `torchrun` script) with one process per
-device of this host: its GPUs (parallel.devices), or parallel.cpu_workers on CPU. One host:
+(`python -m trainer.torchrun`: torch.distributed.run, the `torchrun` script's program, with SIGTERM
+handled so that a clean stop exits 0) with one process per device of this host: its GPUs
+(parallel.devices), or parallel.cpu_workers on CPU. One host:
 `--standalone`; several hosts: `--nnodes M --node-rank R --rdzv-endpoint HOST:PORT --rdzv-id ID`,
 one launch per host, the c10d rendezvous at HOST:PORT (a host of the group; rank 0 lives there).
 
@@ -71,7 +72,7 @@ def command(launch: argparse.Namespace, trainer_argv: list[str], cfg) -> list[st
     if cfg.run.topology == "threaded":
         return [sys.executable, "-m", "trainer", *trainer_argv]
     nproc = launch.nproc_per_node or workers_on_this_host(cfg)
-    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    torchrun = [sys.executable, "-m", "trainer.torchrun"]
     if launch.nnodes == 1:
         torchrun.append("--standalone")
     else:

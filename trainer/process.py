@@ -32,8 +32,11 @@ writes the checkpoint and every rank exits 0.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -52,11 +55,26 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
+def exit_with_parent() -> None:
+    """SIGTERM this rank when torchrun dies (even by SIGKILL): torchrun starts every rank in a
+    session of its own, so nothing else would reach it, and it would train on as an orphan. On
+    SIGTERM the ranks agree to stop and checkpoint as usual (Linux only; elsewhere a no-op)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 class ProcessWorld:
     """This process's place in the process group: rank, world size, device, and small collectives."""
 
     def __init__(self, devices: list[torch.device], timeout_s: float):
         if launched_by_torchrun():
+            exit_with_parent()
             self.rank = int(os.environ["RANK"])
             self.world_size = int(os.environ["WORLD_SIZE"])
             self.local_rank = int(os.environ["LOCAL_RANK"])
