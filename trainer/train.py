@@ -332,7 +332,13 @@ def _train(
             Path(cfg.data.train_file).expanduser(),
         )
         if not cfg.model.target_path:
+            # Processes: local rank 0 builds the embedded default into this host's cache first,
+            # the others wait (an all-reduce as the barrier) and then find it complete.
+            if world is not None and world.local_rank != 0:
+                agree(False)
             target_path, embedded_data = ensure_embedded(cfg.data.cache_dir)
+            if world is not None and world.local_rank == 0:
+                agree(False)
             train_file = train_file if cfg.data.train_file else embedded_data
         tokenizer = load_tokenizer(
             Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else target_path

@@ -79,6 +79,7 @@ from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     exit_from_log,
     is_trainer_cmdline,
     probe,
+    read_stat,
     tail,
 )
 
@@ -117,7 +118,12 @@ def main() -> None:
     process.returncode = 0  # keeps Popen's destructor from warning about a running child
     deadline = time.monotonic() + params["settle"]
     current = probe(pid, None, None, None)
-    while current["alive"] and not is_trainer_cmdline(current["cmdline"]) and time.monotonic() < deadline:
+    # Poll while the process exists: in the middle of an exec (run.sh -> python -> torchrun) its
+    # cmdline reads empty for a moment, which probe() takes for an exiting process.
+    while not is_trainer_cmdline(current["cmdline"]) and time.monotonic() < deadline:
+        stat = read_stat(pid)
+        if stat is None or stat["state"] in ("Z", "X"):
+            break
         time.sleep(POLL_S)
         current = probe(pid, None, None, None)
     if not current["alive"] or not is_trainer_cmdline(current["cmdline"], params["run"]):
