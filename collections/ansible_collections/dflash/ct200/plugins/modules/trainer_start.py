@@ -118,19 +118,20 @@ def main() -> None:
     process.returncode = 0  # keeps Popen's destructor from warning about a running child
     deadline = time.monotonic() + params["settle"]
     current = probe(pid, None, None, None)
-    # Poll while the process exists: in the middle of an exec (run.sh -> python -> torchrun) its
-    # cmdline reads empty for a moment, which probe() takes for an exiting process.
-    while not is_trainer_cmdline(current["cmdline"]) and time.monotonic() < deadline:
+    # While run.sh exec's python, /proc/<pid>/cmdline may read empty or show the shell: poll.
+    while time.monotonic() < deadline and not is_trainer_cmdline(current["cmdline"]):
         stat = read_stat(pid)
         if stat is None or stat["state"] in ("Z", "X"):
             break
         time.sleep(POLL_S)
         current = probe(pid, None, None, None)
-    if not current["alive"] or not is_trainer_cmdline(current["cmdline"], params["run"]):
+    stat = read_stat(pid)
+    alive = stat is not None and stat["state"] not in ("Z", "X")
+    if not alive or not current["alive"] or not is_trainer_cmdline(current["cmdline"], params["run"]):
         time.sleep(0.2)  # let an exiting trainer's last lines reach the log
         log_tail = tail(params["log"], params["tail_lines"])
-        if current["alive"]:
-            what = "is not the trainer: " + " ".join(current["cmdline"])
+        if alive:
+            what = "is not the trainer: " + (" ".join(current["cmdline"]) or "(empty command line)")
         else:
             status = exit_from_log(log_tail)["exit_status"]
             shown = "unknown (the log does not say)" if status is None else str(status)
