@@ -102,8 +102,9 @@ class Replica:
     ) -> StepResult:
         """Forward and backward of the weighted loss sum on this shard; gradients accumulate.
 
-        loss_scale, given this shard's weight sum, returns the factor the loss is multiplied by
-        before backward (the process topology: world_size / global weight sum, as DDP averages).
+        loss_scale, given this shard's weight sum before the forward, returns the factor the loss
+        is multiplied by before backward (the process topology all-reduces the weight sums there
+        and returns 1: its DDP hook applies 1 / global weight sum to the summed gradients).
         """
         d = self.cfg.drafter
         anchors, valid = sample_anchors(loss_mask, d.num_anchors, generator or self.anchor_generator)
