@@ -231,6 +231,12 @@ class ParallelConfig:
     """torch intra-op threads (0: torch's default, one per core). 1 suits the tiny embedded model on
     a shared machine: its ops are too small to split, and OpenMP threads that spin-wait stall
     badly when another process holds a core (measured here: regeneration 36 s with 2, 6 s with 1)."""
+    cpu_workers: int = 1
+    """Workers on CPU (no CUDA device): processes under torchrun in the process topology, worker
+    threads in the threaded one. Mostly for tests of the multi-worker code paths on CPU."""
+    shutdown_timeout_s: int = 120
+    """Process topology: how long torchrun waits for the ranks after forwarding SIGTERM (rank 0
+    writes its checkpoint meanwhile) before it kills them; also bounds the wait after a rank dies."""
 
     def problems(self) -> list[str]:
         out = []
@@ -238,6 +244,10 @@ class ParallelConfig:
             out.append(f"parallel.step_timeout_s must be positive, got {self.step_timeout_s}")
         if self.cpu_threads < 0:
             out.append(f"parallel.cpu_threads must not be negative, got {self.cpu_threads}")
+        if self.cpu_workers < 1:
+            out.append(f"parallel.cpu_workers must be at least 1, got {self.cpu_workers}")
+        if self.shutdown_timeout_s < 1:
+            out.append(f"parallel.shutdown_timeout_s must be at least 1, got {self.shutdown_timeout_s}")
         return out
 
 

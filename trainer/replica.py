@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,9 @@ class Replica:
         self.drafter = DFlashDrafter(shape, shared_parts(target)).to(device)
         self.attention = resolve_attention(cfg.drafter.attention, device, cfg.compile.mode)
         self.objective = DrafterObjective(self.drafter, self.attention, cfg.drafter.loss_chunk)
-        self.forward = self.objective
+        self.module: torch.nn.Module = self.objective
+        """What the step calls: the objective, or a wrapper around it (DDP in the process topology)."""
+        self.forward = self.module
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         # fused: one kernel for the whole update on CUDA (the foreach default takes ~8% of a step
         # at the Qwen3-8B shape); CPU keeps the default implementation.
@@ -77,20 +80,27 @@ class Replica:
         self.anchor_generator = torch.Generator().manual_seed(cfg.train.seed * 1000 + rank + 1)
         self.autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
 
+    def wrap(self, wrapper: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
+        """Put a wrapper around the objective (DDP in the process topology); before compile()."""
+        self.module = wrapper(self.objective)
+        self.forward = self.module
+
     def compile(self) -> None:
-        """Wrap the objective with torch.compile per the config (a no-op for mode none)."""
+        """Wrap the objective (or its wrapper) with torch.compile per the config (none: no-op)."""
         c = self.cfg.compile
         if c.mode == "none":
             return
         settings = {"dynamic": c.dynamic, "fullgraph": c.fullgraph, "options": c.inductor_options()}
         if c.scope == "objective":
-            self.forward = torch.compile(self.objective, **settings)
+            self.forward = torch.compile(self.module, **settings)
             return
         # Regional compilation: every layer runs the same code, so Dynamo compiles it once (per
         # device) and the other layers reuse it; the loss compiles one chunk, reused per chunk.
+        # Whatever wraps the objective (DDP) stays eager around the compiled layers.
         for layer in self.drafter.layers:
             layer.compile(**settings)
         self.objective.loss_chunk_fn = torch.compile(self.objective.loss_chunk_fn, **settings)
+        self.forward = self.module
 
     def warm_up(self) -> None:
         """One forward/backward on a batch of the real shapes (compiles now), leaving no trace."""
@@ -106,14 +116,28 @@ class Replica:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def compute(
-        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None = None
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        generator: torch.Generator | None = None,
+        loss_scale: Callable[[float], float] | None = None,
     ) -> StepResult:
-        """Forward and backward of the weighted loss sum on this shard; gradients accumulate."""
+        """Forward and backward of the weighted loss sum on this shard; gradients accumulate.
+
+        loss_scale, given this shard's weight sum before the forward, returns the factor the loss
+        is multiplied by before backward (the process topology all-reduces the weight sums there
+        and returns 1: its DDP hook applies 1 / global weight sum to the summed gradients).
+        """
         d = self.cfg.drafter
         anchors, valid = sample_anchors(loss_mask, d.num_anchors, generator or self.anchor_generator)
         blocks = build_blocks(input_ids, loss_mask, anchors, valid, d.block_size, self.mask_id, d.gamma)
+        weight_sum = float(blocks.weights.sum())
+        scale = 1.0 if loss_scale is None else loss_scale(weight_sum)
         blocks = blocks.to(self.device)
         features = target_features(self.target, input_ids.to(self.device), self.layer_ids)
+        if self.cfg.compile.uses_cudagraphs:
+            # A new step: outputs of the previous replay may be overwritten from here on.
+            torch.compiler.cudagraph_mark_step_begin()
         with self._autocast():
             loss_sum = self.forward(
                 features.to(self.drafter.fc.weight.dtype),
@@ -123,8 +147,8 @@ class Replica:
                 blocks.labels,
                 blocks.weights,
             )
-        loss_sum.backward()
-        return StepResult(float(loss_sum.detach()), float(blocks.weights.sum()), input_ids.numel())
+        (loss_sum * scale if scale != 1.0 else loss_sum).backward()
+        return StepResult(float(loss_sum.detach()), weight_sum, input_ids.numel())
 
     def apply_update(self) -> float:
         """Clip, step the optimizer and the schedule, clear gradients. Returns the gradient norm."""

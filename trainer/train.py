@@ -2,7 +2,9 @@
 
 `train` owns the run (output files, data, replicas, the topology); `train_step` is one optimisation
 step; the loop around it logs, evaluates and checkpoints. Model, data, objective, checkpoints and
-metrics do not depend on how workers start (threads here; processes under torchrun later).
+metrics do not depend on how workers start: worker threads (topology.py) or one process per device
+under torchrun (process.py). In the process topology every rank runs this same code; rank 0 alone
+writes output, the stop decision and the evaluation's outcome are agreed by all ranks.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -36,6 +39,7 @@ from .embedded import ensure_embedded
 from .environment import resolve_devices
 from .evaluate import acceptance_length
 from .model import target_layer_ids
+from .process import ProcessSetupError, ProcessTopology, ProcessWorld
 from .replica import Replica
 from .target import load_target, load_tokenizer, num_target_layers
 from .topology import ThreadedTopology
@@ -68,6 +72,22 @@ class Output:
     def close(self) -> None:
         self.log_file.close()
         self.metrics.close()
+
+
+class NullOutput(Output):
+    """Output of the ranks other than 0 in the process topology: rank 0 alone writes."""
+
+    def __init__(self):
+        pass
+
+    def line(self, text: str) -> None:
+        pass
+
+    def metric(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class StopFlag:
@@ -147,14 +167,23 @@ def prepare_data(
     return train_examples, prompts
 
 
-def checkpoint_state(
-    step: int, cfg: Config, topology: ThreadedTopology, loader: Loader, tau0: float | None
-) -> dict:
-    lead = topology.replicas[0]
+Topology = ThreadedTopology | ProcessTopology
+
+
+def worker_rng(topology: Topology) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Every worker's anchor generator state and the CUDA RNG states (a collective in processes)."""
+    if isinstance(topology, ProcessTopology):
+        return topology.worker_rng()
     cuda_states = {}
     for replica in topology.replicas:
         if replica.device.type == "cuda":
             cuda_states[str(replica.device)] = torch.cuda.get_rng_state(replica.device)
+    return [r.anchor_generator.get_state() for r in topology.replicas], cuda_states
+
+
+def checkpoint_state(step: int, cfg: Config, topology: Topology, loader: Loader, tau0: float | None) -> dict:
+    lead = topology.replicas[0]
+    workers, cuda_states = worker_rng(topology)
     return {
         "format": CHECKPOINT_FORMAT,
         "step": step,
@@ -166,7 +195,7 @@ def checkpoint_state(
         "rng": {
             "torch": torch.get_rng_state(),
             "cuda": cuda_states,
-            "workers": [r.anchor_generator.get_state() for r in topology.replicas],
+            "workers": workers,
         },
         "tau0": -1.0 if tau0 is None else tau0,  # -1: step-0 evaluation not finished
     }
@@ -192,6 +221,8 @@ def check_resumable(state: dict, cfg: Config, workers: int, path: Path) -> None:
             )
     if len(state["rng"]["workers"]) != workers:
         differences.append(f"workers: checkpoint {len(state['rng']['workers'])}, now {workers}")
+    if saved.run.topology != cfg.run.topology:
+        differences.append(f"run.topology: checkpoint {saved.run.topology!r}, now {cfg.run.topology!r}")
     if differences:
         raise BadInput(
             f"--resume: {path} was written by a different setup ({'; '.join(differences)}); "
@@ -199,19 +230,23 @@ def check_resumable(state: dict, cfg: Config, workers: int, path: Path) -> None:
         )
 
 
-def restore_state(state: dict, topology: ThreadedTopology, loader: Loader) -> None:
-    for replica, generator_state in zip(topology.replicas, state["rng"]["workers"], strict=True):
+def restore_state(state: dict, topology: Topology, loader: Loader) -> None:
+    for replica in topology.replicas:
         replica.drafter.load_state_dict(state["drafter"])
         replica.optimizer.load_state_dict(state["optimizer"])
         replica.scheduler.load_state_dict(state["scheduler"])
-        replica.anchor_generator.set_state(generator_state)
     loader.load_state_dict(state["data"])
     torch.set_rng_state(state["rng"]["torch"])
+    if isinstance(topology, ProcessTopology):
+        topology.set_worker_rng(state["rng"]["workers"], state["rng"]["cuda"])
+        return
+    for replica, generator_state in zip(topology.replicas, state["rng"]["workers"], strict=True):
+        replica.anchor_generator.set_state(generator_state)
     for device, rng in state["rng"]["cuda"].items():
         torch.cuda.set_rng_state(rng, torch.device(device))
 
 
-def train_step(topology: ThreadedTopology, loader: Loader) -> tuple[float, int, float]:
+def train_step(topology: Topology, loader: Loader) -> tuple[float, int, float]:
     """One optimisation step: the next global batch through every worker, averaged, applied."""
     input_ids, loss_mask = loader.next_batch()
     return topology.step(input_ids, loss_mask)
@@ -219,15 +254,44 @@ def train_step(topology: ThreadedTopology, loader: Loader) -> tuple[float, int, 
 
 def train(cfg: Config, out_dir: Path, resume: bool) -> int:
     """Run training to the end or to a signal. Returns the exit code."""
-    if cfg.run.topology == "process":
-        raise BadInput(
-            "run.topology=process is not built yet (a later issue adds it under torchrun); "
-            "use run.topology=threaded for now"
-        )
     devices = resolve_devices(cfg.parallel.devices)
     if cfg.parallel.cpu_threads:
         torch.set_num_threads(cfg.parallel.cpu_threads)
+    world: ProcessWorld | None = None
+    if cfg.run.topology == "process":
+        try:
+            world = ProcessWorld(devices, cfg.parallel.step_timeout_s)
+        except ProcessSetupError as exc:
+            raise BadInput(str(exc)) from None
+        devices = [world.device]
+        workers = world.world_size
+    else:
+        if devices == [torch.device("cpu")]:
+            devices = devices * cfg.parallel.cpu_workers
+        workers = len(devices)
 
+    def agree(flag: bool) -> bool:
+        """Every rank's decision is the same: true if it is true on any rank (processes)."""
+        return flag if world is None else world.any(flag)
+
+    try:
+        return _train(cfg, out_dir, resume, devices, workers, world, agree)
+    finally:
+        if world is not None and sys.exc_info()[0] is None:
+            world.close()
+
+
+def _train(
+    cfg: Config,
+    out_dir: Path,
+    resume: bool,
+    devices: list[torch.device],
+    workers: int,
+    world: ProcessWorld | None,
+    agree: Callable[[bool], bool],
+) -> int:
+    """The run itself, on every rank alike (threads: one call; processes: one per rank)."""
+    lead_rank = world is None or world.is_lead
     resume_from = None
     if resume:
         checkpoints = list_checkpoints(out_dir / "checkpoints")
@@ -237,17 +301,28 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
                 resume_state = load_checkpoint(resume_from)
             except CheckpointError as exc:
                 raise BadInput(f"{exc}; move it aside to resume from the one before it") from None
-            check_resumable(resume_state, cfg, len(devices), resume_from)
+            check_resumable(resume_state, cfg, workers, resume_from)
+    if world is not None:
+        seen = world.gather(None if resume_from is None else resume_from.name)
+        if len(set(seen)) > 1:
+            raise BadInput(
+                f"--resume: the ranks see different newest checkpoints in {out_dir / 'checkpoints'} "
+                f"({', '.join(map(str, seen))}); every host needs the same --out (shared storage)"
+            )
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yml").write_text(dump_config(cfg))
-    out = Output(out_dir)
+    if lead_rank:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yml").write_text(dump_config(cfg))
+    out = Output(out_dir) if lead_rank else NullOutput()
     topology = None
     stop = StopFlag()
     stop.install()
     try:
+        where = ", ".join(map(str, devices))
+        if world is not None:
+            where = f"{world.world_size} process(es) ({world.backend}), rank 0 on {where}"
         out.line(
-            f"run {cfg.run.name}: topology {cfg.run.topology}, devices {', '.join(map(str, devices))}, "
+            f"run {cfg.run.name}: topology {cfg.run.topology}, devices {where}, "
             f"compile mode {cfg.compile.mode}, out {out_dir}"
         )
         if resume and resume_from is None:
@@ -257,7 +332,13 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
             Path(cfg.data.train_file).expanduser(),
         )
         if not cfg.model.target_path:
+            # Processes: local rank 0 builds the embedded default into this host's cache first,
+            # the others wait (an all-reduce as the barrier) and then find it complete.
+            if world is not None and world.local_rank != 0:
+                agree(False)
             target_path, embedded_data = ensure_embedded(cfg.data.cache_dir)
+            if world is not None and world.local_rank == 0:
+                agree(False)
             train_file = train_file if cfg.data.train_file else embedded_data
         tokenizer = load_tokenizer(
             Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else target_path
@@ -272,7 +353,9 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
 
         torch.manual_seed(cfg.train.seed)
         replicas = []
-        for rank, device in enumerate(devices):
+        if world is not None:
+            replicas.append(Replica(cfg, devices[0], lead_target, layer_ids, mask_id, world.rank))
+        for rank, device in enumerate(devices if world is None else []):
             target = lead_target if rank == 0 else load_target(target_path, device, cfg.model.dtype)
             replicas.append(Replica(cfg, device, target, layer_ids, mask_id, rank))
         for replica in replicas[1:]:
@@ -286,7 +369,10 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
         # Workers compile and warm up one at a time on a dummy batch of the real shapes, and nothing
         # else runs meanwhile: tracing patches torch.nn.Module.__call__ process-wide, so an eager
         # forward in another thread (regeneration, evaluation) would be traced into the graph.
-        topology = ThreadedTopology(replicas, cfg.parallel.step_timeout_s, out.line)
+        if world is not None:
+            topology = ProcessTopology(replicas[0], world, out.line)
+        else:
+            topology = ThreadedTopology(replicas, cfg.parallel.step_timeout_s, out.line)
         topology.launch()
         if not topology.wait_ready(stop):
             return stopped(out, stop, 0, None)
@@ -294,7 +380,7 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
         prepared = prepare_data(
             cfg, lead_target, tokenizer, chat, train_file, target_path, devices[0], out, stop
         )
-        if prepared is None:
+        if agree(prepared is None):
             return stopped(out, stop, 0, None)
         train_examples, eval_prompts = prepared
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_id
@@ -303,7 +389,7 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
             f"data: {len(train_examples)} training conversations, {len(eval_prompts)} held-out prompts, "
             f"{train_set.supervised_fraction:.0%} of tokens supervised; target layers {layer_ids}"
         )
-        loader = Loader(train_set, cfg.train.batch_size * len(devices), cfg.train.seed)
+        loader = Loader(train_set, cfg.train.batch_size * workers, cfg.train.seed)
 
         def evaluate(at_step: int) -> float | None:
             tau = acceptance_length(
@@ -318,16 +404,18 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
                 devices[0],
                 stop,
             )
+            if agree(tau is None):
+                return None
             if tau is not None:
                 out.line(f"eval step {at_step} tau {tau:.3f} prompts {len(eval_prompts)}")
                 out.metric({"kind": "eval", "step": at_step, "tau": tau, "prompts": len(eval_prompts)})
             return tau
 
         def save(at_step: int) -> None:
-            path = save_checkpoint(
-                out_dir / "checkpoints", at_step, checkpoint_state(at_step, cfg, topology, loader, tau0)
-            )
-            out.line(f"checkpoint saved step {at_step} {path}")
+            state = checkpoint_state(at_step, cfg, topology, loader, tau0)  # a collective in processes
+            if lead_rank:
+                path = save_checkpoint(out_dir / "checkpoints", at_step, state)
+                out.line(f"checkpoint saved step {at_step} {path}")
 
         step, tau0 = 0, None
         if resume_from is not None:
@@ -345,7 +433,7 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
         window_start, window_tokens, window_steps = started, 0, 0
         tau = tau0
         while step < total:
-            if stop():
+            if agree(stop()):
                 return stopped(out, stop, step, save)
             loss, tokens, _ = train_step(topology, loader)
             step += 1
@@ -388,7 +476,8 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
 
 
 def stopped(out: Output, stop: StopFlag, step: int, save) -> int:
-    out.line(f"signal {stop.signal_name}: checkpointing and exiting")
+    # In the process topology the signal may have reached another rank only.
+    out.line(f"signal {stop.signal_name or 'on another rank'}: checkpointing and exiting")
     if save is not None:
         save(step)
     else:

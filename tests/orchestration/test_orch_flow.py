@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,76 @@ def test_stop_kills_a_trainer_that_does_not_exit(state_dir: Path) -> None:
         assert ctl.status()["state"] == "exited"
     finally:
         stop_leftovers(ctl, state_dir)
+
+
+@pytest.mark.slow
+def test_process_topology_launch_status_stop(state_dir: Path) -> None:
+    """run.topology process: run.sh execs torchrun (2 gloo ranks on CPU); the recorded PID is
+    torchrun's; stop.yml's SIGTERM reaches both ranks through it; the checkpoint is whole."""
+    ctl = make_controller(
+        state_dir,
+        trainer_machine={"parallel": {"devices": "cpu", "cpu_workers": 2}},
+        workspace_trainer_set=[
+            "compile.mode=none",
+            "data.regenerate=false",
+            "train.batch_size=1",
+            "train.eval_prompts=1",
+            "train.eval_max_new_tokens=2",
+            "train.log_every=1",
+            "train.eval_every=0",
+            "train.checkpoint_every=0",
+            "train.steps=100000",
+        ],
+    )
+    try:
+        record = ctl.launch("process")
+        pid = record["pid"]
+        cmdline = [part.decode() for part in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if part]
+        assert "trainer.torchrun" in cmdline and "--nproc-per-node=2" in cmdline, cmdline
+        assert cmdline[cmdline.index("--run") + 1] == "process"
+        ranks = [
+            int(child)
+            for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()
+        ]
+        assert len(ranks) == 2, ranks
+        status = ctl.status()
+        assert status["state"] == "running" and status["pid"] == pid
+        assert status["last_progress"].startswith(PROGRESS)
+
+        stopped = ctl.stop()
+        assert stopped["killed"] is False
+        assert stopped["checkpoint"].startswith("checkpoint saved step ")
+        for rank in ranks:
+            assert (
+                not Path(f"/proc/{rank}").exists() or "Z" in Path(f"/proc/{rank}/stat").read_text().split()[2]
+            )
+        log = Path(record["log"]).read_text()
+        assert "Traceback" not in log and "stopped at step " in log
+        after = ctl.status()
+        assert after["state"] == "exited" and after["exit_status"] == 0
+        step = int(stopped["checkpoint"].split()[3])
+        assert Path(record["out"], "checkpoints", f"step_{step:08d}.pt").is_file()
+    finally:
+        stop_leftovers(ctl, state_dir)
+        end_torchruns_of(state_dir)
+
+
+def end_torchruns_of(state_dir: Path) -> None:
+    """SIGTERM (then SIGKILL) a torchrun this test started that no record led to: its cmdline names
+    this test's own state directory. Its ranks follow it (they get SIGTERM when it dies)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = proc.joinpath("cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"trainer.torchrun" in cmdline and any(str(state_dir).encode() in part for part in cmdline):
+            pid = int(proc.name)
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)

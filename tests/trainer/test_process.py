@@ -1,0 +1,258 @@
+"""The process topology on CPU: two gloo ranks under torchrun (through trainer.launch).
+
+Lean on purpose (two shared cores): tiny shapes, no regeneration, compile mode none, every wait
+bounded; every process a test starts is ended by its PID when the test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO, run_trainer
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc to find the ranks")
+
+TINY = [
+    "--seed=3",
+    "--set=compile.mode=none",
+    "--set=data.regenerate=false",
+    "--set=train.batch_size=1",
+    "--set=train.eval_prompts=1",
+    "--set=train.eval_max_new_tokens=2",
+    "--set=train.log_every=1",
+    "--set=train.eval_every=0",
+    "--set=parallel.step_timeout_s=60",
+    "--set=parallel.shutdown_timeout_s=30",
+]
+
+
+def losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if row["kind"] == "train"]
+
+
+def launch(*args: str, log: Path) -> subprocess.Popen:
+    """python -m trainer.launch -- ARGS, detached into its own session, output to log."""
+    with log.open("ab") as handle:
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainer.launch", "--", *args],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def ranks_of(pid: int) -> dict[int, int]:
+    """Rank -> PID of torchrun's worker processes (its children with RANK in their environment)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    found = {}
+    for child in children:
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            if item.startswith(b"RANK="):
+                found[int(item[5:])] = child
+    return found
+
+
+def end(proc: subprocess.Popen) -> None:
+    """Make sure a run this test started is gone (its whole session: torchrun and its ranks)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def test_two_processes_match_the_threaded_topology(embedded, cache_dir, tmp_path):
+    """Same seed, same global batch (2 x 1): 2 gloo ranks reproduce 2 worker threads' losses."""
+    common = [*TINY, "--steps=3", f"--set=data.cache_dir={cache_dir}", "--set=train.checkpoint_every=0"]
+    threaded = run_trainer(
+        "--run", "eager", *common, "--set=parallel.cpu_workers=2", "--out", str(tmp_path / "threaded")
+    )
+    assert threaded.returncode == 0, threaded.stderr
+    assert "devices cpu, cpu" in threaded.stdout
+    log = tmp_path / "process.log"
+    proc = launch(
+        "--run",
+        "process",
+        *common,
+        "--set=parallel.cpu_workers=2",
+        "--out",
+        str(tmp_path / "process"),
+        log=log,
+    )
+    try:
+        assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        end(proc)
+    text = log.read_text()
+    assert "topology process, devices 2 process(es) (gloo)" in text
+    assert text.count("done: step 3") == 1  # rank 0 alone writes
+    ours, theirs = losses(tmp_path / "process"), losses(tmp_path / "threaded")
+    assert len(ours) == len(theirs) == 3
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6), (ours, theirs)
+
+
+def test_sigterm_then_a_dead_rank_then_resume(embedded, cache_dir, tmp_path):
+    """SIGTERM to torchrun: rank 0 checkpoints, ranks exit 0. A killed rank: the run stops within
+    the bounded timeouts. Both times the last checkpoint resumes."""
+    out = tmp_path / "out"
+    common = [
+        "--run",
+        "process",
+        *TINY,
+        f"--set=data.cache_dir={cache_dir}",
+        "--set=parallel.cpu_workers=2",
+        "--set=train.checkpoint_every=2",
+        "--out",
+        str(out),
+    ]
+    log = tmp_path / "train.log"
+    text = lambda: log.read_text() if log.exists() else ""  # noqa: E731
+
+    proc = launch(*common, "--steps=400", log=log)
+    try:
+        wait_for(lambda: "checkpoint saved step 2 " in text(), 180, "the first checkpoint", proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, text()[-3000:]  # every rank stopped cleanly
+    finally:
+        end(proc)
+    assert "signal SIGTERM: checkpointing and exiting" in text(), text()[-3000:]
+    stopped_at = int(text().split("stopped at step ")[1].split()[0])
+    assert f"checkpoint saved step {stopped_at} " in text()
+    # Every rank exited 0 (torchrun exits 0 only then), and nothing crashed on the way.
+    assert "Root Cause" not in text() and "Traceback" not in text(), text()[-3000:]
+
+    proc = launch(*common, "--steps=400", "--resume", log=log)
+    try:
+        wait_for(lambda: f"resumed from {out}/checkpoints" in text(), 180, "the resume", proc)
+        assert f"at step {stopped_at}" in text().split("resumed from")[-1].splitlines()[0]
+        next_checkpoint = stopped_at + 2 - stopped_at % 2
+        wait_for(
+            lambda: f"checkpoint saved step {next_checkpoint} " in text(),
+            120,
+            "a checkpoint after resume",
+            proc,
+        )
+        ranks = ranks_of(proc.pid)
+        assert set(ranks) == {0, 1}, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        started = time.monotonic()
+        code = proc.wait(timeout=90)
+        took = time.monotonic() - started
+    finally:
+        end(proc)
+    assert code != 0
+    assert took < 60, f"the run took {took:.0f}s to stop after a rank died"
+    for pid in ranks.values():
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+        )
+
+    from trainer.checkpoint import list_checkpoints
+
+    last = list_checkpoints(out / "checkpoints")[-1][0]
+    assert last >= next_checkpoint
+    final = run_trainer_process(*common, f"--steps={last + 1}", "--resume", log=log)
+    assert final == 0, text()[-3000:]
+    assert f"at step {last}" in text().split("resumed from")[-1].splitlines()[0]
+    assert f"done: step {last + 1}" in text()
+
+
+def run_trainer_process(*args: str, log: Path) -> int:
+    proc = launch(*args, log=log)
+    try:
+        return proc.wait(timeout=240)
+    finally:
+        end(proc)
+
+
+def test_launch_refuses_bad_input_before_starting(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.launch",
+            "--nnodes=2",
+            "--",
+            "--run",
+            "process",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "--rdzv-endpoint" in result.stderr
+
+
+def test_launch_command_per_topology(tmp_path):
+    def dry(*args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "trainer.launch", "--dry-run", *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    process = dry("--", "--run", "graphs", "--set=parallel.devices=cpu", "--set=parallel.cpu_workers=3")
+    assert "-m trainer.torchrun --standalone --nproc-per-node=3" in process
+    assert process.strip().endswith(
+        "-m trainer -- --run graphs --set=parallel.devices=cpu --set=parallel.cpu_workers=3"
+    )
+    nodes = dry(
+        "--nnodes=2",
+        "--node-rank=1",
+        "--rdzv-endpoint=127.0.0.1:29555",
+        "--rdzv-id=r1",
+        "--",
+        "--run",
+        "process",
+    )
+    assert (
+        "--nnodes=2 --node-rank=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29555 --rdzv-id=r1" in nodes
+    )
+    threaded = dry("--", "--run", "nographs")
+    assert "-m trainer --run nographs" in threaded and "torch.distributed" not in threaded
+
+
+def test_graphs_profile_process_only(tmp_path):
+    ok = run_trainer("--run", "graphs", "--check", "--out", str(tmp_path / "o"), timeout=120)
+    assert ok.returncode == 0 and ok.stdout.strip() == "ok: graphs", ok.stderr
+    refused = run_trainer(
+        "--run", "graphs", "--check", "--set=run.topology=threaded", "--out", str(tmp_path / "o"), timeout=120
+    )
+    assert refused.returncode == 2
+    assert "compile.mode=reduce-overhead turns CUDA graphs on" in refused.stderr
+    assert "run.topology=threaded" in refused.stderr

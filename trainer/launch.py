@@ -1,0 +1,125 @@
+"""Start a run the way its profile says: `python -m trainer.launch [TORCHRUN OPTIONS] -- TRAINER ARGS`.
+
+run.topology threaded: exec `python -m trainer TRAINER ARGS`. run.topology process: exec torchrun
+(`python -m trainer.torchrun`: torch.distributed.run, the `torchrun` script's program, with SIGTERM
+handled so that a clean stop exits 0) with one process per device of this host: its GPUs
+(parallel.devices), or parallel.cpu_workers on CPU. One host:
+`--standalone`; several hosts: `--nnodes M --node-rank R --rdzv-endpoint HOST:PORT --rdzv-id ID`,
+one launch per host, the c10d rendezvous at HOST:PORT (a host of the group; rank 0 lives there).
+
+exec keeps the PID, so what a caller recorded (run.sh's PID, Ansible's fact) is torchrun itself:
+the process group leader, which forwards SIGTERM/SIGINT to every rank. torchrun waits
+parallel.shutdown_timeout_s for the ranks after forwarding (rank 0 checkpoints meanwhile), then
+kills them. The trainer arguments go after `--`: torchrun's own parser would otherwise take the
+trainer's `--run` for an abbreviation of its `--run-path`.
+
+The config is resolved here first (profile, machine config, --set), so bad settings fail before any
+process starts; the machine checks (paths, devices) run in every rank as in `python -m trainer`.
+No torch import here (it takes seconds; launch.yml waits only briefly for the exec chain): GPUs are
+counted from parallel.devices, CUDA_VISIBLE_DEVICES or the /dev/nvidiaN device nodes.
+`--dry-run` prints the command instead of running it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from .cli import fail
+from .cli import parse_args as parse_trainer_args
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if "--" not in argv:
+        raise SystemExit(
+            "usage: python -m trainer.launch [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT "
+            "--rdzv-id ID] [--nproc-per-node N] [--dry-run] -- --run NAME [trainer options]"
+        )
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n")[0])
+    parser.add_argument("--nnodes", type=int, default=1, help="hosts in the run (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this host's rank, 0..nnodes-1")
+    parser.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous (nnodes > 1)")
+    parser.add_argument("--rdzv-id", default="", help="a run id every host of the run shares (nnodes > 1)")
+    parser.add_argument("--nproc-per-node", type=int, default=0, help="processes on this host (0: auto)")
+    parser.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
+    return parser.parse_args(argv[:split]), argv[split + 1 :]
+
+
+def gpus_on_this_host(devices: str) -> int:
+    """The GPUs parallel.devices means here, counted without CUDA: a list names them; auto means
+    every visible one (CUDA_VISIBLE_DEVICES if set, else the /dev/nvidiaN nodes); cpu none."""
+    devices = devices.strip()
+    if devices == "cpu":
+        return 0
+    if devices != "auto":
+        return len([name for name in devices.split(",") if name.strip().startswith("cuda")])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([name for name in visible.split(",") if name.strip() and name.strip() != "-1"])
+    return len([node for node in Path("/dev").glob("nvidia[0-9]*") if node.name[6:].isdigit()])
+
+
+def workers_on_this_host(cfg) -> int:
+    """One process per GPU of parallel.devices; parallel.cpu_workers where there is none."""
+    return gpus_on_this_host(cfg.parallel.devices) or cfg.parallel.cpu_workers
+
+
+def command(launch: argparse.Namespace, trainer_argv: list[str], cfg) -> list[str]:
+    if cfg.run.topology == "threaded":
+        return [sys.executable, "-m", "trainer", *trainer_argv]
+    nproc = launch.nproc_per_node or workers_on_this_host(cfg)
+    torchrun = [sys.executable, "-m", "trainer.torchrun"]
+    if launch.nnodes == 1:
+        torchrun.append("--standalone")
+    else:
+        torchrun += [
+            f"--nnodes={launch.nnodes}",
+            f"--node-rank={launch.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={launch.rdzv_endpoint}",
+            f"--rdzv-id={launch.rdzv_id}",
+        ]
+    torchrun += [
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        f"--shutdown-timeout={cfg.parallel.shutdown_timeout_s}",
+        "-m",
+        "trainer",
+        "--",
+    ]
+    return [*torchrun, *trainer_argv]
+
+
+def main(argv: list[str] | None = None) -> int:
+    launch, trainer_argv = parse_args(sys.argv[1:] if argv is None else argv)
+    problems = []
+    if launch.nnodes < 1 or not 0 <= launch.node_rank < launch.nnodes:
+        problems.append(f"--node-rank {launch.node_rank} must be in 0..{launch.nnodes - 1} (--nnodes)")
+    if launch.nnodes > 1 and (not launch.rdzv_endpoint or not launch.rdzv_id):
+        problems.append("--nnodes > 1 needs --rdzv-endpoint HOST:PORT and --rdzv-id (the same on every host)")
+    if launch.nproc_per_node < 0:
+        problems.append(f"--nproc-per-node must not be negative, got {launch.nproc_per_node}")
+    args = parse_trainer_args(trainer_argv)
+    from .config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.run, args.config, args.sets, args.steps, args.seed)
+    except ConfigError as exc:
+        return fail(problems + exc.problems)
+    if problems:
+        return fail(problems)
+    cmd = command(launch, trainer_argv, cfg)
+    if launch.dry_run:
+        print(shlex.join(cmd), flush=True)
+        return 0
+    sys.stdout.flush()
+    os.execv(cmd[0], cmd)
+    return 1  # not reached: exec replaces this process
+
+
+if __name__ == "__main__":
+    sys.exit(main())

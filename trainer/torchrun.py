@@ -1,0 +1,77 @@
+"""torchrun for the trainer: `python -m trainer.torchrun TORCHRUN ARGS` is torch.distributed.run
+itself, except for what SIGTERM/SIGINT do.
+
+Stock torchrun answers SIGTERM by forwarding it to the ranks, waiting --shutdown-timeout, then
+raising SignalException: it exits non-zero with a traceback even when every rank checkpointed and
+exited 0, so its log (which status.yml reads) says "crashed". Here SIGTERM/SIGINT are only
+forwarded to the ranks (torchrun starts them in sessions of their own, so a signal to torchrun's
+process group does not reach them), and torchrun's monitor sees them finish: exit 0 when every
+rank exited 0 (stopped after the checkpoint), its usual failure report otherwise. Ranks still
+alive --shutdown-timeout seconds after the first signal are killed, as torchrun would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+OWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def child_pids() -> list[int]:
+    """This process's children (the ranks), from /proc."""
+    pids: list[int] = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            pids += [int(pid) for pid in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return pids
+
+
+def send_to_children(signum: int) -> None:
+    for pid in child_pids():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def shutdown_timeout(argv: list[str]) -> float:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--shutdown-timeout="):
+            return float(arg.split("=", 1)[1])
+        if arg == "--shutdown-timeout" and i + 1 < len(argv):
+            return float(argv[i + 1])
+    return 30.0
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    grace = shutdown_timeout(argv)
+    first: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        send_to_children(signum)
+        if not first:
+            first.append(signum)
+            name = signal.Signals(signum).name
+            print(f"torchrun: {name} forwarded to the ranks; waiting up to {grace:.0f}s", flush=True)
+            timer = threading.Timer(grace, send_to_children, args=(signal.SIGKILL,))
+            timer.daemon = True
+            timer.start()
+
+    for sig in OWN_SIGNALS:
+        signal.signal(sig, forward)
+    # torchrun handles the other signals as usual; these two are ours (read by torchrun at start).
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+    from torch.distributed.run import main as torchrun_main
+
+    argv = [arg for arg in argv if not arg.startswith("--signals-to-handle")]
+    torchrun_main([f"--signals-to-handle={os.environ['TORCHELASTIC_SIGNALS_TO_HANDLE']}", *argv])
+
+
+if __name__ == "__main__":
+    main()
