@@ -6,6 +6,7 @@
 #      and progress), status.yml reports it, stop.yml leaves a checkpoint;
 #   3. launch.yml -e run=RUN -e resume=true resumes from that checkpoint; stop again.
 # Usage: scripts/gpu_e2e.sh [RUN] (default nographs). Logs go to $OUT (default /tmp/gpu_e2e).
+# SKIP_BUSY=1 leaves out step 1 (e.g. for a second run name on the same machine).
 # Every process it starts is ended by PID, also on failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +37,7 @@ gpu_memory_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nou
 echo "== GPUs"
 nvidia-smi --query-gpu=index,name,memory.used,utilization.gpu --format=csv,noheader
 
+if [ -z "${SKIP_BUSY:-}" ]; then
 echo "== 1. another process holds GPU 0: the preflight must refuse"
 python3 -c '
 import time, torch
@@ -58,24 +60,25 @@ wait "$busy_pid" 2>/dev/null || true
 busy_pid=""
 for _ in $(seq 60); do [ "$(gpu_memory_used)" -lt 1024 ] && break; sleep 1; done
 echo "   holder ended, GPU 0 memory used $(gpu_memory_used) MiB"
+fi
 
 echo "== 2. launch, status, stop"
-playbook launch launch.log -e "run=$RUN"
-tail -n 12 "$OUT/launch.log" | sed 's/^/   /'
+playbook launch "launch_$RUN.log" -e "run=$RUN"
+tail -n 12 "$OUT/launch_$RUN.log" | sed 's/^/   /'
 log=$(ls .state/workspace/train_*"$RUN"*.log | head -1)
 grep -m1 "compiling forward" "$log" | sed 's/^/   /'
 sleep 20
-playbook status status.log
-grep -E "state|progress|tau|GPU" "$OUT/status.log" | head -12 | sed 's/^/   /'
-playbook stop stop.log
-grep -E "checkpoint|stopped|SIGKILL" "$OUT/stop.log" | head -5 | sed 's/^/   /'
+playbook status "status_$RUN.log"
+grep -E "state|progress|tau|GPU" "$OUT/status_$RUN.log" | head -12 | sed 's/^/   /'
+playbook stop "stop_$RUN.log"
+grep -E "checkpoint|stopped|SIGKILL" "$OUT/stop_$RUN.log" | head -5 | sed 's/^/   /'
 ls ".state/workspace/runs/$RUN/checkpoints" | sed 's/^/   checkpoint: /'
 
 echo "== 3. resume from that checkpoint"
-playbook launch launch_resume.log -e "run=$RUN" -e resume=true
+playbook launch "resume_$RUN.log" -e "run=$RUN" -e resume=true
 sleep 10
 grep -m1 "resumed from" "$log" | sed 's/^/   /'
-playbook stop stop_resume.log
+playbook stop "stop_resume_$RUN.log"
 cp "$log" "$OUT/"
 grep -E "drafter on|^step|^eval|checkpoint saved|resumed|stopped" "$log" | tail -n 20 | sed 's/^/   /'
 echo "== done"
