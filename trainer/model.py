@@ -243,7 +243,8 @@ class DFlashDrafter(nn.Module):
         return self.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shared.lm_head(hidden)
+        # The shared head has the target's dtype (bf16 on GPUs); the drafter may be float32.
+        return self.shared.lm_head(hidden.to(self.shared.lm_head.weight.dtype))
 
 
 class FrozenHeadCrossEntropy(torch.autograd.Function):

@@ -48,6 +48,19 @@ def shutdown_timeout(argv: list[str]) -> float:
     return 30.0
 
 
+def without_option(argv: list[str], option: str) -> list[str]:
+    """argv less `option=value` or `option value`."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            kept.append(arg)
+    return kept
+
+
 def main() -> None:
     argv = sys.argv[1:]
     grace = shutdown_timeout(argv)
@@ -67,9 +80,13 @@ def main() -> None:
         signal.signal(sig, forward)
     # torchrun handles the other signals as usual; these two are ours (read by torchrun at start).
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+    from torch.distributed.run import get_args_parser
     from torch.distributed.run import main as torchrun_main
 
     argv = [arg for arg in argv if not arg.startswith("--signals-to-handle")]
+    if "--shutdown-timeout" not in get_args_parser()._option_string_actions:
+        # Older torchrun (torch 2.11 has none) refuses the option; the timer above keeps the grace.
+        argv = without_option(argv, "--shutdown-timeout")
     torchrun_main([f"--signals-to-handle={os.environ['TORCHELASTIC_SIGNALS_TO_HANDLE']}", *argv])
 
 

@@ -41,3 +41,18 @@ def test_flex_block_mask_gives_the_same_attention_as_the_dense_mask():
     flex = attend(q, k, v, flex_block_mask(anchors, context_len, block_size))
 
     assert torch.allclose(flex, dense, atol=1e-5)
+
+
+def test_drafter_logits_take_the_dtype_of_a_bf16_target_head():
+    # On a GPU the target (and so the shared head) is bf16 while the drafter's weights are float32:
+    # evaluation calls logits() outside autocast, so the drafter must hand the head its own dtype.
+    from trainer.model import DFlashDrafter, DrafterShape, SharedTargetParts
+
+    shape = DrafterShape(32, 4, 2, 8, 64, 1, 2, 1e-6, 1e4)
+    shared = SharedTargetParts(
+        torch.nn.Embedding(50, 32).to(torch.bfloat16), torch.nn.Linear(32, 50, bias=False).to(torch.bfloat16)
+    )
+    drafter = DFlashDrafter(shape, shared)
+    logits = drafter.logits(torch.randn(1, 4, 32))
+    assert logits.dtype == torch.bfloat16
+    assert logits.shape == (1, 4, 50)

@@ -256,3 +256,18 @@ def test_graphs_profile_process_only(tmp_path):
     assert refused.returncode == 2
     assert "compile.mode=reduce-overhead turns CUDA graphs on" in refused.stderr
     assert "run.topology=threaded" in refused.stderr
+
+
+def test_torchrun_wrapper_drops_an_option_older_torchrun_lacks():
+    from trainer.torchrun import without_option
+
+    argv = [
+        "--standalone",
+        "--shutdown-timeout=120",
+        "--nproc-per-node=2",
+        "--shutdown-timeout",
+        "5",
+        "-m",
+        "x",
+    ]
+    assert without_option(argv, "--shutdown-timeout") == ["--standalone", "--nproc-per-node=2", "-m", "x"]
