@@ -23,7 +23,7 @@ from fakepve.certs import make_cert
 from fakepve.model import TaskError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lxcnode import LxcNode, NodeError  # noqa: E402
+from lxcnode import LxcNode, NodeError
 
 NODE = "pve1"
 ROOT = "root@pam"

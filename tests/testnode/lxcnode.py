@@ -119,7 +119,8 @@ class LxcNode:
                 path, _props = _split(value)
                 major, minor = device_numbers(path)
                 lines.append(f"{cgroup_key} = c {major}:{minor} rwm")
-                lines.append(f"lxc.mount.entry = {path} {path.lstrip('/')} none bind,optional,create=file 0 0")
+                inside = path.lstrip("/")
+                lines.append(f"lxc.mount.entry = {path} {inside} none bind,optional,create=file 0 0")
         return "\n".join(lines) + "\n"
 
     def start(self, vmid: int, config: dict[str, str]) -> None:

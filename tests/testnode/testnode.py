@@ -143,7 +143,8 @@ def make_node_dev(state: Path, uvm_major: int, gpu_count: int) -> None:
     """
     newdev = state / "dev"
     newdev.mkdir(exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755,nosuid", "testnode-dev", str(newdev)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755,nosuid", "testnode-dev", str(newdev)],
+                   check=True)
     for entry in os.scandir("/dev"):
         target = newdev / entry.name
         if entry.is_symlink():
@@ -236,8 +237,8 @@ def write_gpus(state: Path, count: int, busy: list[int]) -> None:
     gpus, apps = [], []
     for index in range(count):
         uuid = f"GPU-7590547c-d9a8-b760-1c4e-93ce4dbbb{index:03x}"
-        gpu: dict[str, Any] = {"index": index, "uuid": uuid, "name": "NVIDIA H200", "memory_total_mib": 143771,
-                               "memory_used_mib": 0, "utilization_gpu": 0}
+        gpu: dict[str, Any] = {"index": index, "uuid": uuid, "name": "NVIDIA H200",
+                               "memory_total_mib": 143771, "memory_used_mib": 0, "utilization_gpu": 0}
         if index in busy:
             # The reference capture: one python3 process holding ~21 GB and running matmuls.
             gpu.update(memory_used_mib=21363, utilization_gpu=100)
@@ -261,7 +262,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     token_id = os.environ.get("PROXMOX_TOKEN_ID")
     env = dict(os.environ, TESTNODE_PVE_PASSWORD=password)
     if token_id and os.environ.get("PROXMOX_TOKEN_SECRET"):
-        env.update(TESTNODE_TOKEN_ID=f"{user}!{token_id}", TESTNODE_TOKEN_SECRET=os.environ["PROXMOX_TOKEN_SECRET"])
+        env.update(TESTNODE_TOKEN_ID=f"{user}!{token_id}",
+                   TESTNODE_TOKEN_SECRET=os.environ["PROXMOX_TOKEN_SECRET"])
     state.mkdir(parents=True, mode=0o700)
     try:
         (state / "lxc").mkdir()
@@ -276,9 +278,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         (state / "testnode.json").write_text(json.dumps(info, indent=1))
         with open(state / "node.log", "ab") as log:
             init = subprocess.Popen(
-                ["unshare", "--mount", "--propagation", "private", "--", sys.executable, str(HERE / "testnode.py"),
-                 "_node", "--state-dir", str(state)],
-                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                ["unshare", "--mount", "--propagation", "private", "--", sys.executable,
+                 str(HERE / "testnode.py"), "_node", "--state-dir", str(state)],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)
         info["init_pid"] = init.pid
         (state / "testnode.json").write_text(json.dumps(info, indent=1))
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -381,7 +384,8 @@ def main() -> int:
     gpus = sub.add_parser("gpus")
     gpus.add_argument("--busy", type=int, nargs="*", default=[], help="indices of busy GPUs (none: all idle)")
     fault = sub.add_parser("fault")
-    fault.add_argument("fault", choices=["node-offline", "node-online", "lock", "unlock", "fail-task", "clear"])
+    fault.add_argument("fault",
+                       choices=["node-offline", "node-online", "lock", "unlock", "fail-task", "clear"])
     fault.add_argument("--vmid", type=int, default=200)
     fault.add_argument("--value", help="lock name, or task type for fail-task (default vzcreate)")
     fault.add_argument("--message", help="the TASK ERROR text for fail-task")
