@@ -215,6 +215,8 @@ def write_sshd(state: Path, port: int) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "testnode-client",
                     "-f", str(state / "id_ed25519")], check=True)
     shutil.copyfile(state / "id_ed25519.pub", state / "authorized_keys")
+    host_key = (state / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+    (state / "known_hosts").write_text(f"[{LOOPBACK}]:{port} {' '.join(host_key)}\n")
     Path("/run/sshd").mkdir(exist_ok=True)
     (state / "sshd_config").write_text(
         f"Port {port}\nListenAddress {LOOPBACK}\nHostKey {state / 'ssh_host_ed25519_key'}\n"
@@ -268,6 +270,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     try:
         (state / "lxc").mkdir()
         (state / "gpu").mkdir()
+        # Host folders for the CT's mount points: a dataset folder (must exist) and room for the workspace.
+        (state / "host" / "datasets").mkdir(parents=True)
         write_gpus(state, args.gpus, [])
         info = {"state_dir": str(state), "api_host": LOOPBACK, "api_port": free_port(), "ssh_host": LOOPBACK,
                 "ssh_port": free_port(), "ssh_user": "root", "ssh_key": str(state / "id_ed25519"),
