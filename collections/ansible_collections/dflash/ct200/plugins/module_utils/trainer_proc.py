@@ -1,0 +1,132 @@
+"""Helpers shared by the trainer modules: read a process from /proc and the trainer's log.
+
+A PID alone does not identify a process: PIDs are reused. A trainer is identified by its PID,
+its start time (field 22 of /proc/<pid>/stat, clock ticks since boot) and the boot id, as
+recorded at launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from itertools import pairwise
+
+PROGRESS_RE = re.compile(r"^step \d+/\d+ ")
+CHECKPOINT_RE = re.compile(r"^checkpoint saved step \d+ ")
+
+
+def boot_id() -> str:
+    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+        return handle.read().strip()
+
+
+def read_stat(pid: int) -> dict | None:
+    """Return state and start time of a process, or None where it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+            raw = handle.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # The command name (field 2) is in parentheses and may itself contain spaces or ')'.
+    rest = raw[raw.rindex(")") + 2 :].split()
+    return {"state": rest[0], "start_time": int(rest[19])}
+
+
+def read_cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            raw = handle.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
+
+
+def is_trainer_cmdline(cmdline: list[str], run: str | None = None) -> bool:
+    """True when the command line runs the trainer package (python -m trainer, also under torchrun)."""
+    runs_trainer = any(a == "-m" and b == "trainer" for a, b in pairwise(cmdline))
+    if not runs_trainer:
+        return False
+    if run is None:
+        return True
+    return any(a == "--run" and b == run for a, b in pairwise(cmdline))
+
+
+def probe(pid: int | None, start_time: int | None, recorded_boot_id: str | None, run: str | None) -> dict:
+    """Classify a recorded trainer: none, running, exited or not_ours (the PID now belongs to another)."""
+    if not pid:
+        return {"state": "none", "alive": False, "pid": None, "cmdline": []}
+    stat = read_stat(pid)
+    current_boot = boot_id()
+    if stat is None or stat["state"] in ("Z", "X"):
+        return {"state": "exited", "alive": False, "pid": pid, "cmdline": []}
+    cmdline = read_cmdline(pid)
+    same_boot = recorded_boot_id is None or recorded_boot_id == current_boot
+    same_start = start_time is None or start_time == stat["start_time"]
+    if not (same_boot and same_start):
+        # After a reboot or once the PID was reused, the recorded trainer is gone.
+        state = "not_ours"
+    elif is_trainer_cmdline(cmdline, run):
+        state = "running"
+    else:
+        state = "not_ours"
+    return {
+        "state": state,
+        "alive": True,
+        "pid": pid,
+        "cmdline": cmdline,
+        "start_time": stat["start_time"],
+        "boot_id": current_boot,
+    }
+
+
+def tail(path: str | None, lines: int) -> list[str]:
+    """The last lines of a text file (bounded read from the end), or [] where it does not exist."""
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - 64 * 1024))
+            data = handle.read()
+    except FileNotFoundError:
+        return []
+    text = data.decode("utf-8", "replace").replace("\r", "\n")
+    return text.splitlines()[-lines:] if lines > 0 else []
+
+
+def last_matching(path: str | None, pattern: re.Pattern[str]) -> str | None:
+    for line in reversed(tail(path, 2000)):
+        if pattern.search(line):
+            return line
+    return None
+
+
+def last_tau(metrics_path: str | None) -> dict | None:
+    """The latest eval row of metrics.jsonl ({"kind": "eval", "step", "tau", ...}), or None."""
+    if not metrics_path:
+        return None
+    for line in reversed(tail(metrics_path, 2000)):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a row being written right now
+        if isinstance(row, dict) and row.get("kind") == "eval" and "tau" in row:
+            return row
+    return None
+
+
+def exit_from_log(lines: list[str]) -> dict:
+    """What the log says about how the trainer ended (the exit status is only knowable from it:
+    the trainer is not a child of the module, so nobody here can wait() for it)."""
+    for line in reversed(lines):
+        if line.startswith("done: "):
+            return {"exit_status": 0, "exit_reason": "finished"}
+        if line.startswith("stopped at step "):
+            return {"exit_status": 0, "exit_reason": "stopped after a checkpoint"}
+        if line.startswith("error: "):
+            return {"exit_status": 2, "exit_reason": "bad input: " + line[len("error: ") :]}
+        if line.startswith("Traceback ") or line.startswith("RuntimeError") or "Error: " in line:
+            return {"exit_status": 1, "exit_reason": "crashed: " + line}
+    return {"exit_status": None, "exit_reason": "unknown (killed, or the log says nothing)"}

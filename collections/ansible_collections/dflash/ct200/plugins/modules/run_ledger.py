@@ -1,0 +1,41 @@
+#!/usr/bin/python
+"""Documentation of the run_ledger action (it runs on the controller; see plugins/action/run_ledger.py)."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: run_ledger
+short_description: Append or update a run record in the controller's run ledger
+description:
+  - The run ledger is a JSON-lines file on the controller (C(.state/runs.jsonl)), one record per
+    launch, keyed by C(run_id).
+  - Always runs on the controller, whatever the target: it is an action plugin and never runs a
+    module on the target. Writes atomically (temporary file, rename) under an exclusive lock.
+  - O(state=present) appends the record, or replaces the line with the same C(run_id) where it
+    differs. Supports check mode.
+options:
+  path:
+    description: The ledger file on the controller.
+    type: path
+    required: true
+  record:
+    description: The run record; needs C(run_id).
+    type: dict
+    required: true
+author:
+  - DFlash CT 200 team
+"""
+
+EXAMPLES = r"""
+- name: Append the run to the ledger
+  dflash.ct200.run_ledger:
+    path: "{{ playbook_dir }}/../.state/runs.jsonl"
+    record: "{{ trainer_run }}"
+"""
+
+RETURN = r"""
+record:
+  description: The record as written.
+  type: dict
+  returned: always
+"""

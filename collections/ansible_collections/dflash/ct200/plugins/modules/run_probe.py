@@ -1,0 +1,217 @@
+#!/usr/bin/python
+"""Inspect the recorded trainer of a host (and its GPUs), optionally waiting for a line in its log."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: run_probe
+short_description: Inspect a DFlash trainer process, its log and the host's GPUs
+description:
+  - Classifies a recorded trainer as C(none), C(running), C(exited) or C(not_ours) (its PID now
+    belongs to another process, or the host rebooted), from the PID, its start time and the boot id.
+  - Reports the latest progress line, the latest tau of C(metrics.jsonl) and the log's tail.
+  - With O(wait_for), waits until a log line matches while the trainer lives, and fails with the
+    exit status (as far as the log tells) and the log's tail when it dies or the time runs out.
+  - With O(gpus), also reads GPU usage with C(nvidia-smi) (C(--query-gpu=index,memory.used,utilization.gpu),
+    C(--query-gpu=index,uuid), C(--query-compute-apps=pid,gpu_uuid,process_name,used_memory)) and lists
+    every busy GPU with its processes in RV(gpu.problems). One module run answers both questions, as
+    each module run costs about half a second on a small host.
+  - Never fails on a busy GPU or a missing C(nvidia-smi); the caller decides.
+options:
+  gpus:
+    description: Also read GPU usage.
+    type: bool
+    default: false
+  max_memory_mib:
+    description: With O(gpus), used memory above this many MiB makes a GPU busy.
+    type: int
+    default: 1024
+  max_utilization_pct:
+    description: With O(gpus), utilization above this percentage makes a GPU busy.
+    type: int
+    default: 5
+  pid:
+    description: The recorded PID; 0 or absent means no run is recorded.
+    type: int
+  start_time:
+    description: Field 22 of /proc/<pid>/stat recorded at launch.
+    type: int
+  boot_id:
+    description: The boot id recorded at launch.
+    type: str
+  run:
+    description: The run name the trainer's command line must carry (C(--run NAME)).
+    type: str
+  log:
+    description: The run's log (the trainer's stdout and stderr).
+    type: path
+  metrics:
+    description: The run's metrics.jsonl.
+    type: path
+  tail_lines:
+    description: How many lines of the log to return.
+    type: int
+    default: 20
+  wait_for:
+    description: A regular expression; wait until a log line matches it.
+    type: str
+  timeout:
+    description: Seconds to wait for O(wait_for).
+    type: float
+    default: 300
+author:
+  - DFlash CT 200 team
+"""
+
+EXAMPLES = r"""
+- name: Wait for the first progress line
+  dflash.ct200.run_probe:
+    pid: "{{ trainer_run.pid }}"
+    start_time: "{{ trainer_run.start_time }}"
+    boot_id: "{{ trainer_run.boot_id }}"
+    log: "{{ trainer_run.log }}"
+    wait_for: '^step \d+/\d+ '
+    timeout: 600
+"""
+
+RETURN = r"""
+state:
+  description: none, running, exited or not_ours.
+  type: str
+  returned: always
+start_time:
+  description: Start time of the process now behind the PID (clock ticks since boot).
+  type: int
+  returned: when the PID is alive
+boot_id:
+  description: The current boot id.
+  type: str
+  returned: always
+cmdline:
+  description: The command line behind the PID.
+  type: list
+  elements: str
+  returned: always
+last_progress:
+  description: The latest progress line of the log.
+  type: str
+  returned: always
+last_eval:
+  description: The latest eval row of metrics.jsonl (step, tau, prompts).
+  type: dict
+  returned: always
+log_tail:
+  description: The last lines of the log.
+  type: list
+  elements: str
+  returned: always
+gpu:
+  description:
+    - With O(gpus), available, note, gpus (index, uuid, memory_used_mib, utilization_pct, apps),
+      problems, lines.
+  type: dict
+  returned: when O(gpus) is true
+exit_status:
+  description:
+    - The exit status as far as the log tells (0 finished or stopped, 2 bad input, 1 crash), else null.
+  type: int
+  returned: when the trainer has exited
+"""
+
+import re
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.dflash.ct200.plugins.module_utils.gpu import gpu_report
+from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
+    PROGRESS_RE,
+    boot_id,
+    exit_from_log,
+    last_matching,
+    last_tau,
+    probe,
+    tail,
+)
+
+POLL_S = 0.2
+
+
+def report(module: AnsibleModule) -> dict:
+    params = module.params
+    result = probe(params["pid"], params["start_time"], params["boot_id"], params["run"])
+    result.setdefault("boot_id", boot_id())
+    log_tail = tail(params["log"], params["tail_lines"])
+    result["log_tail"] = log_tail
+    result["last_progress"] = last_matching(params["log"], PROGRESS_RE)
+    result["last_eval"] = last_tau(params["metrics"])
+    if result["state"] == "exited":
+        result.update(exit_from_log(log_tail))
+    return result
+
+
+def wait(module: AnsibleModule, pattern: re.Pattern[str]) -> dict:
+    params = module.params
+    started = time.monotonic()
+    deadline = started + params["timeout"]
+    while True:
+        result = report(module)
+        lines = tail(params["log"], 2000)
+        matched = next((line for line in lines if pattern.search(line)), None)
+        if matched and result["state"] == "running":
+            result["matched"] = matched
+            result["waited_s"] = round(time.monotonic() - started, 2)
+            return result
+        if result["state"] != "running":
+            status = result.get("exit_status")
+            shown = "unknown (the log does not say)" if status is None else str(status)
+            module.fail_json(
+                msg=(
+                    f"the trainer (PID {params['pid']}) is {result['state'].replace('_', ' ')} before "
+                    f"logging a line matching {pattern.pattern!r}; exit status: {shown}. "
+                    f"Last lines of {params['log']}:\n" + "\n".join(result["log_tail"])
+                ),
+                **result,
+            )
+        if time.monotonic() >= deadline:
+            module.fail_json(
+                msg=(
+                    f"the trainer (PID {params['pid']}) is alive but logged no line matching "
+                    f"{pattern.pattern!r} within {params['timeout']:.0f} s (it keeps running; stop it with "
+                    f"playbooks/stop.yml or raise run_wait_timeout). Last lines of {params['log']}:\n"
+                    + "\n".join(result["log_tail"])
+                ),
+                **result,
+            )
+        time.sleep(POLL_S)
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "pid": {"type": "int"},
+            "start_time": {"type": "int"},
+            "boot_id": {"type": "str"},
+            "run": {"type": "str"},
+            "log": {"type": "path"},
+            "metrics": {"type": "path"},
+            "tail_lines": {"type": "int", "default": 20},
+            "wait_for": {"type": "str"},
+            "gpus": {"type": "bool", "default": False},
+            "max_memory_mib": {"type": "int", "default": 1024},
+            "max_utilization_pct": {"type": "int", "default": 5},
+            "timeout": {"type": "float", "default": 300},
+        },
+        supports_check_mode=True,
+    )
+    if module.params["wait_for"] and module.params["pid"]:
+        result = wait(module, re.compile(module.params["wait_for"]))
+    else:
+        result = report(module)
+    if module.params["gpus"]:
+        params = module.params
+        result["gpu"] = gpu_report(module, params["max_memory_mib"], params["max_utilization_pct"])
+    module.exit_json(changed=False, **result)
+
+
+if __name__ == "__main__":
+    main()

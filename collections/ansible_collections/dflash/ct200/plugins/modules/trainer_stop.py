@@ -1,0 +1,177 @@
+#!/usr/bin/python
+"""Stop a recorded trainer: SIGTERM, wait for its checkpoint and exit, SIGKILL after a timeout."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: trainer_stop
+short_description: Stop a DFlash trainer gracefully
+description:
+  - Sends SIGTERM to the recorded trainer (only when the PID still is that trainer: same start
+    time and boot id), then waits for its checkpoint line and its exit.
+  - When it has not exited after O(timeout) seconds, sends SIGKILL and says so.
+  - Does nothing, unchanged, when no run is recorded, the trainer has exited already, or the PID
+    now belongs to another process.
+options:
+  pid:
+    description: The recorded PID.
+    type: int
+  start_time:
+    description: Field 22 of /proc/<pid>/stat recorded at launch.
+    type: int
+  boot_id:
+    description: The boot id recorded at launch.
+    type: str
+  run:
+    description: The run name the trainer's command line carries.
+    type: str
+  log:
+    description: The run's log, scanned for the checkpoint line written after the signal.
+    type: path
+  timeout:
+    description: Seconds to wait for the exit after SIGTERM before SIGKILL.
+    type: float
+    default: 120
+  tail_lines:
+    description: How many lines of the log to return.
+    type: int
+    default: 20
+author:
+  - DFlash CT 200 team
+"""
+
+EXAMPLES = r"""
+- name: Stop the recorded trainer
+  dflash.ct200.trainer_stop:
+    pid: "{{ trainer_run.pid }}"
+    start_time: "{{ trainer_run.start_time }}"
+    boot_id: "{{ trainer_run.boot_id }}"
+    log: "{{ trainer_run.log }}"
+    timeout: 120
+"""
+
+RETURN = r"""
+state_before:
+  description: What the recorded trainer was before (none, running, exited, not_ours).
+  type: str
+  returned: always
+checkpoint:
+  description: The checkpoint line the trainer logged after the signal, if any.
+  type: str
+  returned: when it was signalled
+killed:
+  description: Whether SIGKILL was needed.
+  type: bool
+  returned: always
+stopped_in_s:
+  description: Seconds from SIGTERM to the exit.
+  type: float
+  returned: when it was signalled
+"""
+
+import os
+import signal
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
+    CHECKPOINT_RE,
+    probe,
+    tail,
+)
+
+POLL_S = 0.2
+KILL_WAIT_S = 10.0
+
+
+def log_size(path: str | None) -> int:
+    try:
+        return os.path.getsize(path) if path else 0
+    except OSError:
+        return 0
+
+
+def new_lines(path: str | None, offset: int) -> list[str]:
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            return handle.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+
+
+def gone(module: AnsibleModule) -> bool:
+    params = module.params
+    return probe(params["pid"], params["start_time"], params["boot_id"], params["run"])["state"] != "running"
+
+
+def wait_gone(module: AnsibleModule, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if gone(module):
+            return True
+        time.sleep(POLL_S)
+    return gone(module)
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "pid": {"type": "int"},
+            "start_time": {"type": "int"},
+            "boot_id": {"type": "str"},
+            "run": {"type": "str"},
+            "log": {"type": "path"},
+            "timeout": {"type": "float", "default": 120},
+            "tail_lines": {"type": "int", "default": 20},
+        },
+        supports_check_mode=True,
+    )
+    params = module.params
+    before = probe(params["pid"], params["start_time"], params["boot_id"], params["run"])
+    result = {"state_before": before["state"], "killed": False, "pid": params["pid"]}
+    if before["state"] != "running":
+        reasons = {
+            "none": "no run is recorded for this host",
+            "exited": "the recorded trainer has exited already",
+            "not_ours": "the recorded PID now belongs to another process; it is left alone",
+        }
+        module.exit_json(changed=False, msg=reasons[before["state"]], **result)
+    if module.check_mode:
+        module.exit_json(changed=True, msg=f"would send SIGTERM to PID {params['pid']}", **result)
+
+    offset = log_size(params["log"])
+    started = time.monotonic()
+    os.kill(params["pid"], signal.SIGTERM)
+    exited = wait_gone(module, params["timeout"])
+    if not exited and not gone(module):
+        os.kill(params["pid"], signal.SIGKILL)
+        result["killed"] = True
+        exited = wait_gone(module, KILL_WAIT_S)
+    result["stopped_in_s"] = round(time.monotonic() - started, 2)
+    after = new_lines(params["log"], offset)
+    result["checkpoint"] = next((line for line in reversed(after) if CHECKPOINT_RE.search(line)), None)
+    result["log_tail"] = tail(params["log"], params["tail_lines"])
+    if not exited:
+        module.fail_json(
+            msg=f"PID {params['pid']} survived SIGKILL for {KILL_WAIT_S:.0f} s (uninterruptible sleep?)",
+            changed=True,
+            **result,
+        )
+    if result["killed"]:
+        msg = (
+            f"the trainer (PID {params['pid']}) did not exit within {params['timeout']:.0f} s of SIGTERM: "
+            "sent SIGKILL; the last checkpoint on disk is "
+            + (f"from: {result['checkpoint']}" if result["checkpoint"] else "older (none after the signal)")
+        )
+    elif result["checkpoint"]:
+        msg = f"stopped PID {params['pid']} after SIGTERM; {result['checkpoint']}"
+    else:
+        msg = f"stopped PID {params['pid']} after SIGTERM; no checkpoint line (it had not started training)"
+    module.exit_json(changed=True, msg=msg, **result)
+
+
+if __name__ == "__main__":
+    main()
