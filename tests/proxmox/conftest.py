@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from realhost import TestNode, missing_requirements
+from realhost import RealHostNode, missing_requirements
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -18,13 +18,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestNode]:
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealHostNode]:
     why = missing_requirements()
     if why:
         pytest.skip(why)
     saved = dict(os.environ)
     state = Path(os.environ.get("TESTNODE_STATE_PYTEST", "/run/dflash-testnode-pytest"))
-    started = TestNode.start(state, tmp_path_factory.mktemp("realhost"))
+    started = RealHostNode.start(state, tmp_path_factory.mktemp("realhost"))
     try:
         yield started
     finally:

@@ -61,7 +61,7 @@ class PlayResult:
 
 
 @dataclass
-class TestNode:
+class RealHostNode:
     """A started test node and everything the playbooks run against it leave behind."""
 
     state_dir: Path
@@ -71,7 +71,7 @@ class TestNode:
     runs: int = 0
 
     @classmethod
-    def start(cls, state_dir: Path, work_dir: Path) -> TestNode:
+    def start(cls, state_dir: Path, work_dir: Path) -> RealHostNode:
         secret = "made-up-" + secrets.token_hex(16)
         os.environ.update(PROXMOX_USER="root@pam", PROXMOX_TOKEN_ID="dflash", PROXMOX_TOKEN_SECRET=secret,
                           TESTNODE_STATE=str(state_dir))
@@ -85,6 +85,7 @@ class TestNode:
         os.environ["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
         # Controller state of these runs (fact cache, run ledger) stays in the test's folder.
         os.environ["ANSIBLE_CACHE_PLUGIN_CONNECTION"] = str(work_dir / "facts")
+        os.environ["ANSIBLE_NOCOLOR"] = "1"
         return node
 
     def stop(self) -> None:
@@ -122,6 +123,7 @@ class TestNode:
         """Run playbooks/<playbook> on the test inventory; env entries set (or, None, unset) variables."""
         self.runs += 1
         private = self.work_dir / "runner" / f"{self.runs:02d}-{Path(playbook).stem}"
+        private.mkdir(parents=True)
         saved = {key: os.environ.get(key) for key in (env or {})}
         for key, value in (env or {}).items():
             if value is None:

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from realhost import TestNode
+from realhost import RealHostNode
 
 pytestmark = [pytest.mark.proxmox, pytest.mark.slow]
 VMID = "200"
@@ -26,14 +26,14 @@ def assert_failed_clearly(result, *expected: str) -> None:
         assert text in messages, f"{text!r} not in the failure: {messages}"
 
 
-def test_missing_secret_fails_first_naming_the_variable(node: TestNode) -> None:
+def test_missing_secret_fails_first_naming_the_variable(node: RealHostNode) -> None:
     before = node.api_state()
     result = node.play("provision.yml", env={"PROXMOX_TOKEN_SECRET": None})
     assert_failed_clearly(result, "PROXMOX_TOKEN_SECRET")
     assert node.api_state() == before
 
 
-def test_wrong_token_is_refused_and_changes_nothing(node: TestNode) -> None:
+def test_wrong_token_is_refused_and_changes_nothing(node: RealHostNode) -> None:
     before = node.api_state()
     result = node.play("provision.yml", env={"PROXMOX_TOKEN_SECRET": "made-up-but-wrong"})
     assert_failed_clearly(result, "did not accept root@pam!dflash", "authentication failure",
@@ -41,7 +41,7 @@ def test_wrong_token_is_refused_and_changes_nothing(node: TestNode) -> None:
     assert node.api_state() == before
 
 
-def test_offline_node_is_named_and_changes_nothing(node: TestNode) -> None:
+def test_offline_node_is_named_and_changes_nothing(node: RealHostNode) -> None:
     before = node.api_state()
     node.control({"op": "node_offline", "offline": True})
     try:
@@ -52,7 +52,7 @@ def test_offline_node_is_named_and_changes_nothing(node: TestNode) -> None:
     assert node.api_state() == before
 
 
-def test_create_task_error_is_reported_and_leaves_no_container(node: TestNode) -> None:
+def test_create_task_error_is_reported_and_leaves_no_container(node: RealHostNode) -> None:
     before = node.api_state()
     message = ("unable to create CT 200 - rbd error: rbd: couldn't connect to the cluster! "
                "(Connection timed out)")
@@ -66,7 +66,7 @@ def test_create_task_error_is_reported_and_leaves_no_container(node: TestNode) -
     assert before["cts"] == {} and before["lxc"] == []
 
 
-def test_check_mode_reports_and_changes_nothing(node: TestNode) -> None:
+def test_check_mode_reports_and_changes_nothing(node: RealHostNode) -> None:
     before = node.api_state()
     result = node.play("provision.yml", "--check")
     assert result.ok, result.stdout[-3000:]
@@ -75,7 +75,7 @@ def test_check_mode_reports_and_changes_nothing(node: TestNode) -> None:
     assert node.api_state() == before
 
 
-def test_provision_from_nothing_then_no_change(node: TestNode) -> None:
+def test_provision_from_nothing_then_no_change(node: RealHostNode) -> None:
     first = node.play("provision.yml")
     assert first.ok, first.stdout[-5000:]
     TIMINGS["provision from nothing"] = first.seconds
@@ -98,7 +98,7 @@ def test_provision_from_nothing_then_no_change(node: TestNode) -> None:
     assert check.ok and check.changed() == 0, check.stdout[-3000:]
 
 
-def test_locked_container_is_refused_and_changes_nothing(node: TestNode) -> None:
+def test_locked_container_is_refused_and_changes_nothing(node: RealHostNode) -> None:
     node.control({"op": "lock", "vmid": 200, "lock": "backup"})
     before = node.api_state()
     try:
@@ -109,7 +109,7 @@ def test_locked_container_is_refused_and_changes_nothing(node: TestNode) -> None
     assert node.api_state() == before
 
 
-def test_busy_gpu_makes_launch_fail_naming_it(node: TestNode) -> None:
+def test_busy_gpu_makes_launch_fail_naming_it(node: RealHostNode) -> None:
     node.testnode("gpus", "--busy", "3")
     try:
         result = node.play("launch.yml", extravars={"run": "nographs"})
@@ -121,7 +121,7 @@ def test_busy_gpu_makes_launch_fail_naming_it(node: TestNode) -> None:
     assert node.pct("exec", VMID, "--", "pgrep", "-f", "-m", "trainer").returncode == 1
 
 
-def test_launch_status_stop_through_pct(node: TestNode) -> None:
+def test_launch_status_stop_through_pct(node: RealHostNode) -> None:
     launch = node.play("launch.yml", extravars={"run": "nographs"})
     assert launch.ok, launch.stdout[-5000:]
     TIMINGS["launch nographs through pct_remote"] = launch.seconds
@@ -145,7 +145,7 @@ def test_launch_status_stop_through_pct(node: TestNode) -> None:
     assert gone.returncode != 0, "the trainer is still running after stop"
 
 
-def test_no_secret_in_any_output_log_cache_or_artifact(node: TestNode) -> None:
+def test_no_secret_in_any_output_log_cache_or_artifact(node: RealHostNode) -> None:
     assert node.runs > 0
     secret = node.token_secret.encode()
     places = [node.work_dir, node.state_dir / "node.log", node.state_dir / "host"]
@@ -164,7 +164,7 @@ def test_no_secret_in_any_output_log_cache_or_artifact(node: TestNode) -> None:
     assert (node.work_dir / "runner").is_dir() and list((node.work_dir / "runner").rglob("job_events/*.json"))
 
 
-def test_report_timings(node: TestNode, record_property) -> None:
+def test_report_timings(node: RealHostNode, record_property) -> None:
     for name, seconds in TIMINGS.items():
         record_property(name, round(seconds, 1))
         print(f"{name:40s} {seconds:7.1f} s")

@@ -46,15 +46,27 @@ class NodePve(FakePve):
 
     async def task(self, node, ttype, tid, user, body, vm=None, lock=True, log=()):
         async def real_body():
-            if ttype in self.failing_tasks:
-                raise TaskError(self.failing_tasks.pop(ttype))
-            note = await body()
             try:
-                await asyncio.to_thread(self._apply_to_lxc, ttype, int(tid))
-            except NodeError as exc:
-                raise TaskError(f"test node: {exc}") from exc
+                if ttype in self.failing_tasks:
+                    raise TaskError(self.failing_tasks.pop(ttype))
+                note = await body()
+                try:
+                    await asyncio.to_thread(self._apply_to_lxc, ttype, int(tid))
+                except NodeError as exc:
+                    raise TaskError(f"test node: {exc}") from exc
+            except TaskError:
+                if ttype in ("vzcreate", "vzrestore"):
+                    # As PVE: a failed create leaves no config behind (and here no LXC container).
+                    await asyncio.to_thread(self._undo_create, int(tid))
+                raise
             return note
         return await super().task(node, ttype, tid, user, real_body, vm=vm, lock=lock, log=log)
+
+    def _undo_create(self, vmid: int) -> None:
+        ct = self.ct(vmid)
+        if ct is not None:
+            self._drop(ct)
+        self.lxc.destroy(vmid)
 
     def _apply_to_lxc(self, ttype: str, vmid: int) -> None:
         ct = self.ct(vmid)
