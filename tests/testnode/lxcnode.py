@@ -16,6 +16,7 @@ from pathlib import Path
 LXC_TIMEOUT_S = 30
 # Where the nvidia-smi stand-in reads the GPU states inside the container (a read-only bind mount).
 GPU_STATE_MOUNT = "var/lib/testnode-gpu"
+HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 
 class NodeError(RuntimeError):
@@ -75,10 +76,26 @@ class LxcNode:
             stand_in = rootfs / "usr/local/bin/nvidia-smi"
             shutil.copyfile(self.nvidia_smi, stand_in)
             stand_in.chmod(0o755)
+            self._trust_node_ca(rootfs)
             self.write_config(vmid, config)
         except BaseException:
             shutil.rmtree(self.ct_dir(vmid), ignore_errors=True)
             raise
+
+    @staticmethod
+    def _trust_node_ca(rootfs: Path) -> None:
+        """Give the CT the node's CA bundle, for pip as on the node.
+
+        Outbound TLS from this machine may pass a proxy with its own CA that only the node's bundle
+        holds; pip's vendored bundle lacks it, so pip.conf points at the system one (as the node's does).
+        """
+        bundle = Path(HOST_CA_BUNDLE)
+        if not bundle.is_file():
+            return
+        target = rootfs / HOST_CA_BUNDLE.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(bundle, target)
+        (rootfs / "etc/pip.conf").write_text(f"[global]\ncert = {HOST_CA_BUNDLE}\n")
 
     def write_config(self, vmid: int, config: dict[str, str]) -> None:
         (self.ct_dir(vmid) / "config").write_text(self.render(vmid, config))

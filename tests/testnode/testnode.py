@@ -37,7 +37,7 @@ DEFAULT_STATE = Path(os.environ.get("TESTNODE_STATE", "/run/dflash-testnode"))
 SUITE = "bookworm"
 MIRROR = os.environ.get("TESTNODE_MIRROR", "http://deb.debian.org/debian")
 TEMPLATE = "debian-12-dflash_12.0-1_amd64.tar.gz"
-ROOTFS_PACKAGES = "python3,python3-venv,procps,tini,ca-certificates"
+ROOTFS_PACKAGES = "python3,python3-venv,python3-packaging,procps,tini,ca-certificates"
 LOOPBACK = "127.0.0.1"
 TOKEN_USER_DEFAULT = "root@pam"
 # Binds every test container gets read-only: the host's wheel folder (pip's find-links here).
@@ -115,21 +115,34 @@ def control(state: Path, request: dict[str, Any]) -> Any:
 def ensure_template() -> Path:
     """The container template: a debootstrap Debian 12 with python3, built once into the cache."""
     tarball = CACHE / TEMPLATE
-    if tarball.is_file():
+    packed_with = CACHE / (TEMPLATE + ".packages")
+    if tarball.is_file() and packed_with.exists() and packed_with.read_text() == ROOTFS_PACKAGES:
         return tarball
     CACHE.mkdir(parents=True, exist_ok=True)
     rootfs = CACHE / f"rootfs-{SUITE}"
+    marker = rootfs / ".testnode-packages"
+    if rootfs.exists() and (not marker.exists() or marker.read_text() != ROOTFS_PACKAGES):
+        # An older cached rootfs: add what the package list gained, without a new debootstrap.
+        subprocess.run(["chroot", str(rootfs), "apt-get", "update", "-qq"], check=True)
+        packages = ROOTFS_PACKAGES.split(",")
+        subprocess.run(["chroot", str(rootfs), "apt-get", "install", "-y", "-qq", *packages],
+                       check=True, stdout=subprocess.DEVNULL,
+                       env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+        subprocess.run(["chroot", str(rootfs), "apt-get", "clean"], check=True)
+        marker.write_text(ROOTFS_PACKAGES)
     if not (rootfs / "usr/bin/python3").exists():
         building = CACHE / f"rootfs-{SUITE}.partial"
         shutil.rmtree(building, ignore_errors=True)
         print(f"testnode: debootstrap {SUITE} into {building} (first run only)", file=sys.stderr)
         subprocess.run(["debootstrap", "--variant=minbase", f"--include={ROOTFS_PACKAGES}", SUITE,
                         str(building), MIRROR], check=True, stdout=subprocess.DEVNULL)
+        (building / ".testnode-packages").write_text(ROOTFS_PACKAGES)
         building.rename(rootfs)
     partial = tarball.with_suffix(".partial")
     subprocess.run(["tar", "-C", str(rootfs), "--numeric-owner", "-I", "gzip -1", "-cf", str(partial), "."],
                    check=True)
     partial.rename(tarball)
+    packed_with.write_text(ROOTFS_PACKAGES)
     return tarball
 
 
