@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -115,7 +116,7 @@ class RealHostNode:
         return subprocess.run(
             ["ssh", "-i", self.info["ssh_key"], "-p", str(self.info["ssh_port"]), "-o", "IdentitiesOnly=yes",
              "-o", f"UserKnownHostsFile={self.state_dir / 'known_hosts'}", "-o", "BatchMode=yes",
-             f"root@{self.info['ssh_host']}", "pct", *args],
+             f"root@{self.info['ssh_host']}", shlex.join(["pct", *args])],
             capture_output=True, text=True, timeout=120, check=False)
 
     def play(self, playbook: str, *cmdline: str, extravars: dict[str, Any] | None = None,
