@@ -1,0 +1,225 @@
+"""Config layers, --check, the compile guard, shipped profiles and bad input."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.cli import main
+from trainer.config import COMPILE_MODES, RUNS_DIR, ConfigError, load_config
+
+from .conftest import run_trainer
+
+PROFILES = sorted(p.stem for p in RUNS_DIR.glob("*.yml"))
+
+
+def test_profiles_exist():
+    assert {"nographs", "eager"} <= set(PROFILES)
+
+
+@pytest.mark.parametrize("run", PROFILES)
+def test_every_shipped_profile_passes_check(run, tmp_path):
+    result = run_trainer(
+        "--run",
+        run,
+        "--check",
+        "--out",
+        str(tmp_path / "out"),
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"ok: {run}"
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("run", PROFILES)
+def test_profile_holds_experiment_settings_only(run):
+    data = yaml.safe_load((RUNS_DIR / f"{run}.yml").read_text())
+    assert set(data) <= {"run", "compile", "train", "drafter"}
+    assert data["run"]["topology"] in ("threaded", "process")
+    assert data["run"]["description"]
+
+
+def test_nographs_profile_is_the_story_run():
+    cfg = load_config("nographs")
+    assert cfg.run.topology == "threaded"
+    assert cfg.compile.mode == "default" and cfg.compile.dynamic is False
+    assert cfg.compile.cudagraphs is False and not cfg.compile.uses_cudagraphs
+    assert cfg.log_name == "train_compile_nographs.log"
+    assert load_config("eager").log_name == "train_eager.log"
+
+
+def _compile_sets(topology, mode, cudagraphs, trees):
+    return [
+        f"run.topology={topology}",
+        f"compile.mode={mode}",
+        f"compile.cudagraphs={cudagraphs}",
+        f"compile.cudagraph_trees={trees}",
+    ]
+
+
+COMBOS = list(itertools.product(COMPILE_MODES, [False, True], [False, True]))
+
+
+@pytest.mark.parametrize(("mode", "cudagraphs", "trees"), COMBOS)
+def test_compile_guard_threaded(mode, cudagraphs, trees, tmp_path, capsys):
+    graphs_on = mode != "none" and (cudagraphs or mode in ("reduce-overhead", "max-autotune"))
+    code = main(
+        [
+            "--run",
+            "nographs",
+            "--check",
+            "--out",
+            str(tmp_path / "out"),
+            *(f"--set={s}" for s in _compile_sets("threaded", mode, cudagraphs, trees)),
+        ]
+    )
+    captured = capsys.readouterr()
+    if graphs_on:
+        assert code == 2
+        assert "thread-local storage" in captured.err and "concurrent" in captured.err
+        assert "max-autotune-no-cudagraphs" in captured.err and "run.topology=process" in captured.err
+    else:
+        assert code == 0, captured.err
+        assert captured.out.strip() == "ok: nographs"
+
+
+@pytest.mark.parametrize(("mode", "cudagraphs", "trees"), COMBOS)
+def test_compile_guard_allows_everything_in_process_topology(mode, cudagraphs, trees, tmp_path, capsys):
+    code = main(
+        [
+            "--run",
+            "nographs",
+            "--check",
+            "--out",
+            str(tmp_path / "out"),
+            *(f"--set={s}" for s in _compile_sets("process", mode, cudagraphs, trees)),
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+
+
+def test_check_lists_every_problem(tmp_path, capsys):
+    code = main(
+        [
+            "--run",
+            "nographs",
+            "--check",
+            "--set",
+            "train.lr=-1",
+            "--set",
+            "train.nope=3",
+            "--set",
+            "compile.mode=reduce-overhead",
+            "--set",
+            "parallel.devices=cuda:3",
+            "--set",
+            f"model.target_path={tmp_path / 'missing'}",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert all(line.startswith("error: ") for line in err)
+    joined = "\n".join(err)
+    for needle in ("train.nope", "train.lr", "reduce-overhead", "cuda:3", "model.target_path"):
+        assert needle in joined, joined
+    assert len(err) == 5
+
+
+def test_layers_later_wins(tmp_path):
+    machine = tmp_path / "machine.yml"
+    machine.write_text(yaml.safe_dump({"parallel": {"devices": "cpu"}, "data": {"regen_batch_size": 7}}))
+    cfg = load_config("nographs", str(machine), ["data.regen_batch_size=9", "train.lr=3e-4"], steps=5, seed=3)
+    assert cfg.parallel.devices == "cpu"
+    assert cfg.data.regen_batch_size == 9
+    assert cfg.train.lr == 3e-4 and cfg.train.steps == 5 and cfg.train.seed == 3
+    assert cfg.compile.mode == "default"  # from the profile
+
+
+def test_machine_config_may_not_set_experiment(tmp_path):
+    machine = tmp_path / "machine.yml"
+    machine.write_text(yaml.safe_dump({"compile": {"mode": "none"}}))
+    with pytest.raises(ConfigError, match="does not belong"):
+        load_config("nographs", str(machine))
+
+
+def test_machine_example_is_valid_shape(tmp_path):
+    example = RUNS_DIR.parent / "machine.example.yml"
+    data = yaml.safe_load(example.read_text())
+    assert set(data) == {"model", "data", "parallel"}
+    # Paths in the example do not exist here; the keys and types must still load.
+    data["model"]["target_path"] = ""
+    data["model"]["dtype"] = "float32"
+    data["data"]["train_file"] = ""
+    data["parallel"]["devices"] = "cpu"
+    machine = tmp_path / "machine.yml"
+    machine.write_text(yaml.safe_dump(data))
+    assert load_config("nographs", str(machine)).data.regen_max_new_tokens == 1024
+
+
+BAD_INPUT = [
+    (["--run", "nosuchrun"], "unknown run 'nosuchrun'; known runs:"),
+    (["--run", "nographs", "--set", "train.nope=1"], "train.nope: unknown key"),
+    (["--run", "nographs", "--set", "train.steps=many"], "train.steps: expected an integer"),
+    (["--run", "nographs", "--set", "compile.dynamic=perhaps"], "compile.dynamic: expected true or false"),
+    (["--run", "nographs", "--set", "model.target_path=/nonexistent/model"], "model.target_path"),
+    (
+        [
+            "--run",
+            "nographs",
+            "--set",
+            "model.target_path=/nonexistent/model",
+            "--set",
+            "data.train_file=/nonexistent/chat.jsonl",
+        ],
+        "model.target_path",
+    ),
+    (["--run", "nographs", "--set", "data.train_file=/nonexistent/chat.jsonl"], "data.train_file"),
+    (["--run", "nographs", "--set", "parallel.devices=cuda:3"], "cuda:3 is not usable here"),
+    (["--run", "nographs", "--set", "compile.mode=reduce-overhead"], "thread-local storage"),
+    (["--run", "nographs", "--config", "/nonexistent/machine.yml"], "does not exist"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUT)
+def test_bad_input_exits_2_and_writes_nothing(args, message, tmp_path, capsys):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    code = main([*args, "--out", str(out), "--set", f"data.cache_dir={cache}"])
+    captured = capsys.readouterr()
+    assert code == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    assert message in lines[0]
+    assert not out.exists() and not cache.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_run_lists_known_runs(capsys):
+    assert main(["--run", "nosuchrun"]) == 2
+    err = capsys.readouterr().err
+    for run in PROFILES:
+        assert run in err
+
+
+def test_bad_input_through_the_real_cli(tmp_path):
+    result = run_trainer(
+        "--run", "nographs", "--set", "parallel.devices=cuda:3", "--out", str(tmp_path / "o")
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: parallel.devices: cuda:3 is not usable here")
+    assert result.stdout == ""
+    assert not Path(tmp_path / "o").exists()
+
+
+def test_out_with_checkpoints_needs_resume(tmp_path, capsys):
+    checkpoints = tmp_path / "out" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "step_00000010.pt").write_bytes(b"x")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["--run", "eager", "--out", str(tmp_path / "out")]) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before

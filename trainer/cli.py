@@ -1,0 +1,78 @@
+"""python -m trainer --run NAME [--config FILE] [--set key=value ...] [--out DIR] [--steps N]
+[--seed S] [--resume] [--check]"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+from .config import ConfigError, load_config
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description="Train a DFlash drafter.")
+    parser.add_argument("--run", required=True, help="run profile name (trainer/runs/<name>.yml)")
+    parser.add_argument("--config", help="machine config YAML (model, data, parallel)")
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one setting, e.g. train.lr=3e-4 (repeatable)",
+    )
+    parser.add_argument("--out", help="output directory (default runs/<run>)")
+    parser.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
+    parser.add_argument("--seed", type=int, help="shorthand for --set train.seed=S")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    parser.add_argument("--check", action="store_true", help="validate everything, print ok or every problem")
+    return parser.parse_args(argv)
+
+
+def fail(problems: list[str]) -> int:
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from .environment import check_machine  # imports torch: after argparse so --help stays quick
+
+    out_dir = Path(args.out or f"runs/{args.run}").expanduser().absolute()
+    try:
+        cfg = load_config(args.run, args.config, args.sets, args.steps, args.seed)
+        problems = check_machine(cfg, out_dir, args.resume)
+    except ConfigError as exc:
+        problems = exc.problems
+        if exc.partial is not None:
+            problems += [p for p in check_machine(exc.partial, out_dir, args.resume) if p not in problems]
+        return fail(problems if args.check else problems[:1])
+    if args.check:
+        if problems:
+            return fail(problems)
+        print(f"ok: {cfg.run.name}", flush=True)
+        return 0
+    if problems:
+        # A normal run names the first problem in one line (--check lists them all).
+        return fail(problems[:1])
+
+    from .topology import WorkerFailed
+    from .train import BadInput, train
+
+    try:
+        return train(cfg, out_dir, args.resume)
+    except BadInput as exc:
+        return fail([str(exc)])
+    except WorkerFailed as exc:
+        print(
+            f"error: worker {exc.rank} failed; the run stopped. Its traceback:\n{exc.trace}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    except Exception:
+        traceback.print_exc()
+        return 1

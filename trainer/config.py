@@ -1,0 +1,448 @@
+"""Typed configuration of a training run: dataclasses, layered loading and validation.
+
+Layers, later wins: dataclass defaults (the embedded CPU run) -> run profile (``runs/<name>.yml``:
+the experiment: ``run``, ``compile``, ``train``, ``drafter``) -> machine config (``--config``: the
+machine: ``model``, ``data``, ``parallel``) -> ``--set section.field=value`` -> ``--steps``/``--seed``.
+
+Every problem found is collected (not just the first), so ``--check`` can list them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+RUNS_DIR = Path(__file__).resolve().parent / "runs"
+RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+
+# torch.compile modes and whether they turn CUDA graphs on (torch._inductor.list_mode_options:
+# reduce-overhead = {'triton.cudagraphs': True}; max-autotune also sets it; the others do not).
+COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+MODES_WITH_CUDAGRAPHS = ("reduce-overhead", "max-autotune")
+
+CUDAGRAPHS_IN_THREADS = (
+    "CUDA graphs cannot be used in the threaded topology: CUDA Graph Trees keep their state in "
+    "thread-local storage that exists only in the thread that imported torch (a worker thread fails "
+    "with a bare AssertionError in cudagraph_trees, pytorch issue 123177), and with "
+    "cudagraph_trees=false two threads capturing concurrently invalidate each other's stream capture. "
+    "Use the 'nographs' profile (compile.mode=default, cudagraphs=false) or "
+    "compile.mode=max-autotune-no-cudagraphs, or run.topology=process (one process per GPU), "
+    "where CUDA graphs work"
+)
+
+
+class ConfigError(Exception):
+    """Bad input: carries every problem found, one line each."""
+
+    def __init__(self, problems: list[str], partial: Config | None = None):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+        self.partial = partial
+        """The config with every valid setting applied (bad ones left at their defaults), so that
+        machine checks can still run and report their problems too."""
+
+
+@dataclass
+class RunConfig:
+    """What the run is: its name (the profile's file stem), a description and the topology."""
+
+    name: str = "nographs"
+    description: str = ""
+    topology: Literal["threaded", "process"] = "threaded"
+    """threaded: one process, one worker thread per device; process: one process per GPU (torchrun)."""
+    log_name: str = ""
+    """Log file name Ansible uses; empty means train_<name>.log."""
+
+    def problems(self) -> list[str]:
+        out = []
+        if not RUN_NAME_RE.match(self.name):
+            out.append(f"run.name {self.name!r} must match {RUN_NAME_RE.pattern}")
+        if self.log_name and ("/" in self.log_name or not self.log_name.endswith(".log")):
+            out.append(f"run.log_name {self.log_name!r} must be a plain file name ending in .log")
+        return out
+
+
+@dataclass
+class CompileConfig:
+    """torch.compile settings for the drafter's training forward."""
+
+    mode: Literal["none", "default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"] = (
+        "default"
+    )
+    dynamic: bool = False
+    """False keeps shapes static (the anchor count is padded), so nothing recompiles."""
+    fullgraph: bool = False
+    cudagraphs: bool = False
+    """Inductor's triton.cudagraphs; also turned on by the modes reduce-overhead and max-autotune."""
+    cudagraph_trees: bool = False
+    """Inductor's triton.cudagraph_trees (only matters when CUDA graphs are on)."""
+
+    @property
+    def uses_cudagraphs(self) -> bool:
+        return self.mode != "none" and (self.cudagraphs or self.mode in MODES_WITH_CUDAGRAPHS)
+
+    def inductor_options(self) -> dict[str, Any]:
+        """The options handed to torch.compile: the mode's own options plus the explicit switches."""
+        from torch._inductor import list_mode_options
+
+        options = dict(list_mode_options(self.mode))
+        options["triton.cudagraphs"] = self.uses_cudagraphs
+        options["triton.cudagraph_trees"] = self.cudagraph_trees
+        return options
+
+    def problems(self) -> list[str]:
+        return []
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation: steps, batch, schedule, and the cadence of logging, evaluation, checkpoints."""
+
+    steps: int = 300
+    seed: int = 0
+    batch_size: int = 8
+    """Sequences per worker per step."""
+    seq_len: int = 96
+    """Every sequence is padded or cut to this length (static shapes)."""
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    log_every: int = 10
+    eval_every: int = 100
+    """Evaluate tau at step 0, every eval_every steps and at the end (0: only at 0 and the end)."""
+    eval_prompts: int = 16
+    eval_max_new_tokens: int = 32
+    checkpoint_every: int = 100
+    """Periodic checkpoints (0: only on a signal and at the end)."""
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("steps", "batch_size", "seq_len", "log_every", "eval_prompts", "eval_max_new_tokens"):
+            if getattr(self, name) < 1:
+                out.append(f"train.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("eval_every", "checkpoint_every", "seed"):
+            if getattr(self, name) < 0:
+                out.append(f"train.{name} must not be negative, got {getattr(self, name)}")
+        if not self.lr > 0:
+            out.append(f"train.lr must be positive, got {self.lr}")
+        if not 0 <= self.warmup_frac < 1:
+            out.append(f"train.warmup_frac must be in [0, 1), got {self.warmup_frac}")
+        if self.grad_clip < 0:
+            out.append(f"train.grad_clip must not be negative, got {self.grad_clip}")
+        return out
+
+
+@dataclass
+class DrafterConfig:
+    """The DFlash drafter: a few Qwen3-style layers over [fused target context | block]."""
+
+    num_layers: int = 2
+    block_size: int = 16
+    num_anchors: int = 16
+    """Anchors per sequence; padded to this count so shapes stay static."""
+    gamma: float = 7.0
+    """Loss weight of block position k is exp(-(k-1)/gamma) (7 for block size 16)."""
+    num_context_layers: int = 3
+    """Target layers fused into the context, spread evenly between layer 1 and n_target-3."""
+    mask_token_id: int = -1
+    """-1: the tokenizer's mask token."""
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.num_layers < 1:
+            out.append(f"drafter.num_layers must be at least 1, got {self.num_layers}")
+        if self.block_size < 2:
+            out.append(f"drafter.block_size must be at least 2, got {self.block_size}")
+        if self.num_anchors < 1:
+            out.append(f"drafter.num_anchors must be at least 1, got {self.num_anchors}")
+        if not self.gamma > 0:
+            out.append(f"drafter.gamma must be positive, got {self.gamma}")
+        if self.num_context_layers < 1:
+            out.append(f"drafter.num_context_layers must be at least 1, got {self.num_context_layers}")
+        return out
+
+
+@dataclass
+class ModelConfig:
+    """The frozen target (a Hugging Face causal LM on local disk) and the compute dtype."""
+
+    target_path: str = ""
+    """Directory of a Hugging Face causal LM; empty: the embedded tiny Qwen3 (built on first use)."""
+    tokenizer_path: str = ""
+    """Empty: the target's directory."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def problems(self) -> list[str]:
+        if self.tokenizer_path and not self.target_path:
+            return ["model.tokenizer_path is set but model.target_path is not; set both or neither"]
+        return []
+
+
+@dataclass
+class DataConfig:
+    """Training conversations (JSONL chat format) and where built artefacts are cached."""
+
+    train_file: str = ""
+    """JSONL, one {"messages": [{"role": ..., "content": ...}, ...]} per line; empty: embedded set."""
+    cache_dir: str = "~/.cache/dflash-trainer"
+    """Embedded target, tokenizer and data set, and the target-regenerated data."""
+    regenerate: bool = True
+    """Replace assistant turns with the target's greedy answers (the drafter imitates the target)."""
+    regen_max_new_tokens: int = 64
+    regen_batch_size: int = 64
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.regen_max_new_tokens < 1:
+            out.append(f"data.regen_max_new_tokens must be at least 1, got {self.regen_max_new_tokens}")
+        if self.regen_batch_size < 1:
+            out.append(f"data.regen_batch_size must be at least 1, got {self.regen_batch_size}")
+        return out
+
+
+@dataclass
+class ParallelConfig:
+    """Devices of this machine: 'auto' (every CUDA device, else cpu), 'cpu', or 'cuda:0,cuda:1'."""
+
+    devices: str = "auto"
+    step_timeout_s: float = 1800.0
+    """A step whose workers do not all answer within this time stops the run."""
+    cpu_threads: int = 1
+    """torch intra-op threads (0: torch's default, one per core). 1 suits the tiny embedded model on
+    a shared machine: its ops are too small to split, and OpenMP threads that spin-wait stall
+    badly when another process holds a core (measured here: regeneration 36 s with 2, 6 s with 1)."""
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.step_timeout_s > 0:
+            out.append(f"parallel.step_timeout_s must be positive, got {self.step_timeout_s}")
+        if self.cpu_threads < 0:
+            out.append(f"parallel.cpu_threads must not be negative, got {self.cpu_threads}")
+        return out
+
+
+@dataclass
+class Config:
+    """The resolved configuration of one run."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def log_name(self) -> str:
+        return self.run.log_name or f"train_{self.run.name}.log"
+
+    def problems(self) -> list[str]:
+        """Every section's own problems, then the cross-section rules (the compile guard)."""
+        out: list[str] = []
+        for section in dataclasses.fields(self):
+            out.extend(getattr(self, section.name).problems())
+        out.extend(compile_guard(self.run, self.compile))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def compile_guard(run: RunConfig, compile_cfg: CompileConfig) -> list[str]:
+    """Refuse, before any work starts, settings that turn CUDA graphs on in the threaded topology."""
+    if run.topology != "threaded" or not compile_cfg.uses_cudagraphs:
+        return []
+    why = []
+    if compile_cfg.mode in MODES_WITH_CUDAGRAPHS:
+        why.append(f"compile.mode={compile_cfg.mode} turns CUDA graphs on")
+    if compile_cfg.cudagraphs:
+        why.append("compile.cudagraphs=true")
+    if compile_cfg.cudagraph_trees:
+        why.append("compile.cudagraph_trees=true")
+    return [f"{', '.join(why)} with run.topology=threaded: {CUDAGRAPHS_IN_THREADS}"]
+
+
+# Which sections each layer may set: a profile is the experiment, a machine config the machine.
+PROFILE_SECTIONS = ("run", "compile", "train", "drafter")
+MACHINE_SECTIONS = ("model", "data", "parallel")
+SECTION_TYPES = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {name: hints[name] for name in SECTION_TYPES}
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check (and for --set strings, parse) one value against its field type; raise ValueError."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        choices = get_args(annotation)
+        if value not in choices:
+            raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"unsupported annotation {annotation}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{where}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"{where}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError(f"{where}: expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"{where}: expected a string, got {value!r}")
+    raise TypeError(f"unsupported annotation {annotation}")
+
+
+def _apply_layer(
+    values: dict[str, dict[str, Any]],
+    layer: Any,
+    source: str,
+    allowed_sections: tuple[str, ...],
+    problems: list[str],
+) -> None:
+    if layer is None:
+        return
+    if not isinstance(layer, dict):
+        problems.append(f"{source}: expected a mapping of sections, got {type(layer).__name__}")
+        return
+    classes = _section_classes()
+    for section, entries in layer.items():
+        if section not in classes:
+            problems.append(f"{source}: unknown section {section!r} (known: {', '.join(classes)})")
+            continue
+        if section not in allowed_sections:
+            problems.append(
+                f"{source}: section {section!r} does not belong here (allowed: {', '.join(allowed_sections)})"
+            )
+            continue
+        if not isinstance(entries, dict):
+            problems.append(f"{source}: section {section!r} must be a mapping")
+            continue
+        hints = typing.get_type_hints(classes[section])
+        for key, value in entries.items():
+            where = f"{source}: {section}.{key}"
+            if key not in hints or key.startswith("_"):
+                problems.append(f"{where}: unknown key (known: {', '.join(hints)})")
+                continue
+            try:
+                values[section][key] = _coerce(value, hints[key], where)
+            except ValueError as exc:
+                problems.append(str(exc))
+
+
+def parse_set(item: str, problems: list[str]) -> tuple[str, str, Any] | None:
+    """Parse one ``--set section.field=value`` into a value of the field's type (checked later)."""
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        problems.append(f"--set {item!r}: expected section.field=value, e.g. train.lr=3e-4")
+        return None
+    key, raw = item.split("=", 1)
+    section, name = key.split(".", 1)
+    annotation = None
+    if section in SECTION_TYPES:
+        annotation = typing.get_type_hints(_section_classes()[section]).get(name)
+    value: Any = raw
+    try:
+        if annotation is int:
+            value = int(raw)
+        elif annotation is float:
+            value = float(raw)
+        elif annotation is bool and raw.lower() in ("true", "false", "yes", "no", "1", "0"):
+            value = raw.lower() in ("true", "yes", "1")
+    except ValueError:
+        value = raw  # left as text; the type check names the problem
+    return section, name, value
+
+
+def known_runs() -> dict[str, str]:
+    """Shipped run profiles: name -> description."""
+    runs = {}
+    for path in sorted(RUNS_DIR.glob("*.yml")):
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+            runs[path.stem] = str((data.get("run") or {}).get("description", ""))
+        except (yaml.YAMLError, AttributeError):
+            runs[path.stem] = "(unreadable profile)"
+    return runs
+
+
+def _read_yaml(path: Path, what: str, problems: list[str]) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        problems.append(f"{what} {path} does not exist")
+    except (OSError, yaml.YAMLError) as exc:
+        problems.append(f"{what} {path} cannot be read: {exc}".replace("\n", " "))
+    return None
+
+
+def load_config(
+    run: str,
+    machine_config: str | None = None,
+    sets: list[str] | tuple[str, ...] = (),
+    steps: int | None = None,
+    seed: int | None = None,
+) -> Config:
+    """Resolve the layers into a Config; raise ConfigError with every problem found."""
+    problems: list[str] = []
+    classes = _section_classes()
+    values: dict[str, dict[str, Any]] = {name: {} for name in classes}
+
+    runs = known_runs()
+    if run not in runs:
+        listing = ", ".join(f"{name} ({desc})" if desc else name for name, desc in runs.items())
+        raise ConfigError([f"unknown run {run!r}; known runs: {listing}"])
+    values["run"]["name"] = run
+    profile = _read_yaml(RUNS_DIR / f"{run}.yml", "run profile", problems)
+    _apply_layer(values, profile, f"run profile {run}", PROFILE_SECTIONS, problems)
+    if isinstance(profile, dict) and "name" in (profile.get("run") or {}):
+        problems.append(f"run profile {run}: run.name is the file stem; remove it")
+
+    if machine_config:
+        machine = _read_yaml(Path(machine_config), "machine config (--config)", problems)
+        _apply_layer(values, machine, f"machine config {machine_config}", MACHINE_SECTIONS, problems)
+
+    for item in sets:
+        parsed = parse_set(item, problems)
+        if parsed:
+            section, name, value = parsed
+            _apply_layer(values, {section: {name: value}}, "--set", tuple(classes), problems)
+    if steps is not None:
+        _apply_layer(values, {"train": {"steps": steps}}, "--steps", ("train",), problems)
+    if seed is not None:
+        _apply_layer(values, {"train": {"seed": seed}}, "--seed", ("train",), problems)
+
+    cfg = Config(**{name: cls(**values[name]) for name, cls in classes.items()})
+    problems.extend(cfg.problems())
+    if problems:
+        raise ConfigError(problems, cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a Config from its to_dict() form (e.g. from a checkpoint)."""
+    classes = _section_classes()
+    return Config(**{name: cls(**data.get(name, {})) for name, cls in classes.items()})
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

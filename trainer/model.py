@@ -1,0 +1,242 @@
+"""The DFlash drafter: a few Qwen3-style decoder layers over [fused target context | block].
+
+- Context: hidden states of K target layers (spread evenly between layer 1 and n_target-3),
+  concatenated, then Linear(K*H -> H, no bias) and RMSNorm.
+- Every layer: queries from the block only; keys/values from [context | block]; the attention mask
+  (objective.block_attention_mask) makes it non-causal inside a block and keeps blocks apart.
+- The token embedding and LM head are the target's, shared and frozen (not part of the drafter's
+  parameters or checkpoints).
+
+The module is device-agnostic; attention goes through the single function ``attend`` so a later
+backend (flex_attention, a prebuilt SDPA mask) changes one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """Sizes of the drafter, taken from the target's config (hidden size, heads, head dim, ...)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_layers: int
+    num_context_layers: int
+    rms_eps: float
+    rope_theta: float
+
+    @classmethod
+    def from_target(cls, target_config, num_layers: int, num_context_layers: int) -> DrafterShape:
+        text = getattr(target_config, "text_config", None) or target_config
+        heads = text.num_attention_heads
+        rope_theta = getattr(text, "rope_theta", None)
+        if rope_theta is None:
+            rope_params = getattr(text, "rope_parameters", None) or {}
+            rope_theta = rope_params.get("rope_theta", 1_000_000.0)
+        return cls(
+            hidden_size=text.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            intermediate_size=text.intermediate_size,
+            num_layers=num_layers,
+            num_context_layers=num_context_layers,
+            rms_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+        )
+
+
+def target_layer_ids(num_target_layers: int, num_context_layers: int) -> list[int]:
+    """Target layers whose outputs form the context: evenly spread from 1 to n-3 (inclusive).
+
+    Qwen3-8B (36 layers, 5 context layers): [1, 9, 17, 25, 33].
+    """
+    first, last = 1, num_target_layers - 3
+    if last < first or num_context_layers > last - first + 1:
+        raise ValueError(
+            f"a target with {num_target_layers} layers has layers {first}..{last} to spread "
+            f"{num_context_layers} context layers over; lower drafter.num_context_layers"
+        )
+    if num_context_layers == 1:
+        return [first]
+    step = (last - first) / (num_context_layers - 1)
+    return [round(first + i * step) for i in range(num_context_layers)]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [..., head_dim] for integer positions [...] (rotate-half convention)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, heads, n, d]; cos/sin: [b, n, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Masked attention. q: [b, h, Q, d]; k/v: [b, kv_h, K, d]; allowed: [b, Q, K] bool.
+
+    GQA: each group of h/kv_h query heads shares one key/value head.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, shape: DrafterShape):
+        super().__init__()
+        self.shape = shape
+        h, d = shape.hidden_size, shape.head_dim
+        self.q_proj = nn.Linear(h, shape.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, shape.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, shape.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(shape.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, shape.rms_eps)
+        self.k_norm = RMSNorm(d, shape.rms_eps)
+
+    def forward(
+        self,
+        block: torch.Tensor,  # [b, Q, H] normed block hidden states
+        context: torch.Tensor,  # [b, L, H] fused target context
+        rope_q: tuple[torch.Tensor, torch.Tensor],
+        rope_kv: tuple[torch.Tensor, torch.Tensor],
+        allowed: torch.Tensor,
+    ) -> torch.Tensor:
+        b, q_len, _ = block.shape
+        d = self.shape.head_dim
+        kv_input = torch.cat([context, block], dim=1)
+        q = self.q_norm(self.q_proj(block).view(b, q_len, -1, d)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_input).view(b, kv_input.shape[1], -1, d)).transpose(1, 2)
+        v = self.v_proj(kv_input).view(b, kv_input.shape[1], -1, d).transpose(1, 2)
+        q = apply_rotary(q, *rope_q)
+        k = apply_rotary(k, *rope_kv)
+        out = attend(q, k, v, allowed)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, shape: DrafterShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_eps)
+        self.self_attn = DrafterAttention(shape)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_eps)
+        self.mlp = SwiGLU(shape.hidden_size, shape.intermediate_size)
+
+    def forward(self, hidden, context, rope_q, rope_kv, allowed):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope_q, rope_kv, allowed)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class SharedTargetParts:
+    """The target's embedding and LM head, used by the drafter but frozen and not its parameters.
+
+    Held outside nn.Module registration so they stay out of the drafter's state_dict and optimizer.
+    """
+
+    def __init__(self, embed: nn.Module, lm_head: nn.Module):
+        self.embed = embed
+        self.lm_head = lm_head
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, shape: DrafterShape, shared: SharedTargetParts):
+        super().__init__()
+        self.shape = shape
+        self.shared = shared
+        h = shape.hidden_size
+        self.fc = nn.Linear(shape.num_context_layers * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, shape.rms_eps)
+        self.layers = nn.ModuleList(DrafterLayer(shape) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(h, shape.rms_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def hidden(
+        self,
+        target_features: torch.Tensor,  # [b, L, K*H] concatenated target hidden states
+        block_ids: torch.Tensor,  # [b, Q]
+        block_positions: torch.Tensor,  # [b, Q]
+        allowed: torch.Tensor,  # [b, Q, L+Q]
+    ) -> torch.Tensor:
+        """Final-normed hidden states of the block positions, [b, Q, H]."""
+        b, ctx_len, _ = target_features.shape
+        context = self.hidden_norm(self.fc(target_features))
+        hidden = self.shared.embed(block_ids).to(context.dtype)  # the "noise embedding"
+        ctx_positions = torch.arange(ctx_len, device=block_ids.device).expand(b, ctx_len)
+        rope_q = rotary_cos_sin(block_positions, self.shape.head_dim, self.shape.rope_theta)
+        rope_kv = rotary_cos_sin(
+            torch.cat([ctx_positions, block_positions], dim=1), self.shape.head_dim, self.shape.rope_theta
+        )
+        for layer in self.layers:
+            hidden = layer(hidden, context, rope_q, rope_kv, allowed)
+        return self.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.shared.lm_head(hidden)
+
+
+class DrafterObjective(nn.Module):
+    """Training forward: weighted cross-entropy summed over supervised block positions.
+
+    Returns the weighted loss *sum*; the coordinator divides by the global weight sum, so the
+    result is exact whatever the split of the batch over workers.
+    """
+
+    def __init__(self, drafter: DFlashDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, target_features, block_ids, block_positions, allowed, labels, weights):
+        hidden = self.drafter.hidden(target_features, block_ids, block_positions, allowed)
+        logits = self.drafter.logits(hidden).float()
+        per_token = F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"
+        )
+        return (per_token * weights.flatten()).sum()

@@ -1,0 +1,384 @@
+"""The training run: setup, the loop, evaluation, checkpoints and signals.
+
+`train` owns the run (output files, data, replicas, the topology); `train_step` is one optimisation
+step; the loop around it logs, evaluates and checkpoints. Model, data, objective, checkpoints and
+metrics do not depend on how workers start (threads here; processes under torchrun later).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from .config import Config, config_from_dict, dump_config
+from .data import (
+    ChatFormat,
+    Loader,
+    build_train_set,
+    load_conversations,
+    load_examples,
+    prompt_ids,
+    regen_cache_key,
+    regenerate,
+    save_examples,
+    tokenize,
+)
+from .embedded import ensure_embedded
+from .environment import resolve_devices
+from .evaluate import acceptance_length
+from .model import target_layer_ids
+from .replica import Replica
+from .target import load_target, load_tokenizer, num_target_layers
+from .topology import ThreadedTopology
+
+CHECKPOINT_FORMAT = 1
+
+
+class BadInput(Exception):
+    """Bad input found only once work has begun (e.g. an unusable checkpoint): exit 2."""
+
+
+class Output:
+    """stdout and <out>/train.log, line by line, flushed; metrics.jsonl rows."""
+
+    def __init__(self, out_dir: Path):
+        self.log_file: TextIO = (out_dir / "train.log").open("a")
+        self.metrics: TextIO = (out_dir / "metrics.jsonl").open("a")
+
+    def line(self, text: str) -> None:
+        print(text, flush=True)
+        self.log_file.write(text + "\n")
+        self.log_file.flush()
+
+    def metric(self, row: dict[str, Any]) -> None:
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+
+    def close(self) -> None:
+        self.log_file.close()
+        self.metrics.close()
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the loop checkpoints and exits 0 at the next safe point."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+
+    def __call__(self) -> bool:
+        return self.signal_name is not None
+
+    def install(self) -> None:
+        def handler(signum, _frame):
+            if self.signal_name is None:
+                self.signal_name = signal.Signals(signum).name
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+def format_eta(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(max(0.0, seconds))))
+
+
+def prepare_data(
+    cfg: Config,
+    target,
+    tokenizer,
+    chat: ChatFormat,
+    train_file: Path,
+    target_path: Path,
+    device: torch.device,
+    out: Output,
+    should_stop,
+):
+    """Tokenized, target-regenerated examples (cached), split into training set and eval prompts."""
+    examples = tokenize(load_conversations(train_file), chat)
+    held_out = cfg.train.eval_prompts
+    if len(examples) <= held_out:
+        raise BadInput(
+            f"{train_file} has {len(examples)} conversations; more than train.eval_prompts="
+            f"{held_out} are needed (lower train.eval_prompts or add data)"
+        )
+    eval_examples, train_examples = examples[-held_out:], examples[:-held_out]
+    if cfg.data.regenerate:
+        key = regen_cache_key(train_file, target_path, cfg.data.regen_max_new_tokens, cfg.model.dtype)
+        cache = Path(cfg.data.cache_dir).expanduser() / "regenerated" / f"{key}.jsonl"
+        if cache.exists():
+            train_examples = load_examples(cache)
+            out.line(f"data: {len(train_examples)} regenerated conversations from cache {cache}")
+        else:
+            started = time.monotonic()
+            regenerated = regenerate(
+                train_examples,
+                target,
+                chat,
+                cfg.data.regen_max_new_tokens,
+                cfg.data.regen_batch_size,
+                device,
+                should_stop,
+            )
+            if regenerated is None:
+                return None
+            train_examples = regenerated
+            save_examples(cache, train_examples)
+            out.line(
+                f"data: regenerated {len(train_examples)} conversations with the target in "
+                f"{time.monotonic() - started:.1f}s, cached at {cache}"
+            )
+    first_user = [
+        next(i for i, (role, _) in enumerate(e.turns) if role == "assistant") for e in eval_examples
+    ]
+    prompts = [prompt_ids(e, chat, turn) for e, turn in zip(eval_examples, first_user, strict=True)]
+    return train_examples, prompts
+
+
+def checkpoint_state(
+    step: int, cfg: Config, topology: ThreadedTopology, loader: Loader, tau0: float | None
+) -> dict:
+    lead = topology.replicas[0]
+    cuda_states = {}
+    for replica in topology.replicas:
+        if replica.device.type == "cuda":
+            cuda_states[str(replica.device)] = torch.cuda.get_rng_state(replica.device)
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "step": step,
+        "config": cfg.to_dict(),
+        "drafter": lead.drafter.state_dict(),
+        "optimizer": lead.optimizer.state_dict(),
+        "scheduler": lead.scheduler.state_dict(),
+        "data": loader.state_dict(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "cuda": cuda_states,
+            "workers": [r.anchor_generator.get_state() for r in topology.replicas],
+        },
+        "tau0": -1.0 if tau0 is None else tau0,  # -1: step-0 evaluation not finished
+    }
+
+
+def restore_state(state: dict, cfg: Config, topology: ThreadedTopology, loader: Loader, path: Path) -> None:
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise BadInput(
+            f"checkpoint {path} has format {state.get('format')}, this trainer reads {CHECKPOINT_FORMAT}"
+        )
+    saved = config_from_dict(state["config"])
+    differences = [
+        f"{section}.{key}: checkpoint {value!r}, now {getattr(getattr(cfg, section), key)!r}"
+        for section in ("drafter", "model", "data")
+        for key, value in getattr(saved, section).__dict__.items()
+        if key not in ("cache_dir", "regen_batch_size") and getattr(getattr(cfg, section), key) != value
+    ]
+    for key in ("batch_size", "seq_len", "seed"):
+        if getattr(saved.train, key) != getattr(cfg.train, key):
+            differences.append(
+                f"train.{key}: checkpoint {getattr(saved.train, key)!r}, now {getattr(cfg.train, key)!r}"
+            )
+    if len(state["rng"]["workers"]) != len(topology.replicas):
+        differences.append(
+            f"workers: checkpoint {len(state['rng']['workers'])}, now {len(topology.replicas)}"
+        )
+    if differences:
+        raise BadInput(
+            f"--resume: {path} was written by a different setup ({'; '.join(differences)}); "
+            "resume with the same settings, or start a new --out"
+        )
+    for replica, generator_state in zip(topology.replicas, state["rng"]["workers"], strict=True):
+        replica.drafter.load_state_dict(state["drafter"])
+        replica.optimizer.load_state_dict(state["optimizer"])
+        replica.scheduler.load_state_dict(state["scheduler"])
+        replica.anchor_generator.set_state(generator_state)
+    loader.load_state_dict(state["data"])
+    torch.set_rng_state(state["rng"]["torch"])
+    for device, rng in state["rng"]["cuda"].items():
+        torch.cuda.set_rng_state(rng, torch.device(device))
+
+
+def train_step(topology: ThreadedTopology, loader: Loader) -> tuple[float, int, float]:
+    """One optimisation step: the next global batch through every worker, averaged, applied."""
+    input_ids, loss_mask = loader.next_batch()
+    return topology.step(input_ids, loss_mask)
+
+
+def train(cfg: Config, out_dir: Path, resume: bool) -> int:
+    """Run training to the end or to a signal. Returns the exit code."""
+    if cfg.run.topology == "process":
+        raise BadInput(
+            "run.topology=process is not built yet (a later issue adds it under torchrun); "
+            "use run.topology=threaded for now"
+        )
+    stop = StopFlag()
+    stop.install()
+    devices = resolve_devices(cfg.parallel.devices)
+    if cfg.parallel.cpu_threads:
+        torch.set_num_threads(cfg.parallel.cpu_threads)
+
+    resume_from = None
+    if resume:
+        checkpoints = list_checkpoints(out_dir / "checkpoints")
+        if checkpoints:
+            resume_from = checkpoints[-1][1]
+            try:
+                resume_state = load_checkpoint(resume_from)
+            except CheckpointError as exc:
+                raise BadInput(f"{exc}; move it aside to resume from the one before it") from None
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yml").write_text(dump_config(cfg))
+    out = Output(out_dir)
+    topology = None
+    try:
+        out.line(
+            f"run {cfg.run.name}: topology {cfg.run.topology}, devices {', '.join(map(str, devices))}, "
+            f"compile mode {cfg.compile.mode}, out {out_dir}"
+        )
+        if resume and resume_from is None:
+            out.line(f"--resume: no checkpoint in {out_dir / 'checkpoints'}; starting from step 0")
+        target_path, train_file = (
+            Path(cfg.model.target_path).expanduser(),
+            Path(cfg.data.train_file).expanduser(),
+        )
+        if not cfg.model.target_path:
+            target_path, embedded_data = ensure_embedded(cfg.data.cache_dir)
+            train_file = train_file if cfg.data.train_file else embedded_data
+        tokenizer = load_tokenizer(
+            Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else target_path
+        )
+        mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else tokenizer.mask_token_id
+        if mask_id is None:
+            raise BadInput("the tokenizer has no mask token; set drafter.mask_token_id to a token id")
+        chat = ChatFormat(tokenizer)
+
+        lead_target = load_target(target_path, devices[0], cfg.model.dtype)
+        layer_ids = target_layer_ids(num_target_layers(lead_target.config), cfg.drafter.num_context_layers)
+        prepared = prepare_data(
+            cfg, lead_target, tokenizer, chat, train_file, target_path, devices[0], out, stop
+        )
+        if prepared is None:
+            return stopped(out, stop, 0, None)
+        train_examples, eval_prompts = prepared
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_id
+        train_set = build_train_set(train_examples, chat, cfg.train.seq_len, pad_id)
+        out.line(
+            f"data: {len(train_examples)} training conversations, {len(eval_prompts)} held-out prompts, "
+            f"{train_set.supervised_fraction:.0%} of tokens supervised; target layers {layer_ids}"
+        )
+
+        torch.manual_seed(cfg.train.seed)
+        replicas = []
+        for rank, device in enumerate(devices):
+            target = lead_target if rank == 0 else load_target(target_path, device, cfg.model.dtype)
+            replicas.append(Replica(cfg, device, target, layer_ids, mask_id, rank))
+        for replica in replicas[1:]:
+            replica.drafter.load_state_dict(replicas[0].drafter.state_dict())
+        n_params = sum(p.numel() for p in replicas[0].params)
+        out.line(
+            f"drafter: {cfg.drafter.num_layers} layers, {n_params / 1e6:.2f}M trainable parameters, "
+            f"block {cfg.drafter.block_size}, {cfg.drafter.num_anchors} anchors"
+        )
+        loader = Loader(train_set, cfg.train.batch_size * len(devices), cfg.train.seed)
+
+        topology = ThreadedTopology(replicas, cfg.parallel.step_timeout_s, out.line)
+        if not topology.start(stop):
+            return stopped(out, stop, 0, None)
+
+        step, tau0 = 0, None
+        if resume_from is not None:
+            restore_state(resume_state, cfg, topology, loader, resume_from)
+            step = int(resume_state["step"])
+            tau0 = resume_state["tau0"] if resume_state["tau0"] >= 0 else None
+            out.line(f"resumed from {resume_from} at step {step}")
+
+        def evaluate(at_step: int) -> float | None:
+            tau = acceptance_length(
+                replicas[0].drafter,
+                lead_target,
+                eval_prompts,
+                layer_ids,
+                cfg.drafter.block_size,
+                mask_id,
+                cfg.train.eval_max_new_tokens,
+                chat.end_id,
+                devices[0],
+                stop,
+            )
+            if tau is not None:
+                out.line(f"eval step {at_step} tau {tau:.3f} prompts {len(eval_prompts)}")
+                out.metric({"kind": "eval", "step": at_step, "tau": tau, "prompts": len(eval_prompts)})
+            return tau
+
+        def save(at_step: int) -> None:
+            path = save_checkpoint(
+                out_dir / "checkpoints", at_step, checkpoint_state(at_step, cfg, topology, loader, tau0)
+            )
+            out.line(f"checkpoint saved step {at_step} {path}")
+
+        if tau0 is None:
+            tau0 = evaluate(step)
+            if tau0 is None:
+                return stopped(out, stop, step, save)
+
+        total = cfg.train.steps
+        started = time.monotonic()
+        window_start, window_tokens, window_steps = started, 0, 0
+        tau = tau0
+        while step < total:
+            if stop():
+                return stopped(out, stop, step, save)
+            loss, tokens, _ = train_step(topology, loader)
+            step += 1
+            window_tokens += tokens
+            window_steps += 1
+            if step % cfg.train.log_every == 0 or step == total:
+                now = time.monotonic()
+                tokens_per_s = window_tokens / max(now - window_start, 1e-9)
+                eta = (now - window_start) / window_steps * (total - step)
+                lr = replicas[0].scheduler.get_last_lr()[0]
+                out.line(
+                    f"step {step}/{total} loss {loss:.4f} lr {lr:.2e} tok/s {tokens_per_s:.0f} "
+                    f"eta {format_eta(eta)}"
+                )
+                out.metric(
+                    {
+                        "kind": "train",
+                        "step": step,
+                        "loss": loss,
+                        "lr": lr,
+                        "tokens_per_s": tokens_per_s,
+                        "elapsed_s": now - started,
+                    }
+                )
+                window_start, window_tokens, window_steps = now, 0, 0
+            if step == total or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
+                result = evaluate(step)
+                if result is None:
+                    return stopped(out, stop, step, save)
+                tau = result
+            if step == total or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
+                save(step)
+        out.line(f"done: step {step}, tau {tau:.2f} (step 0: {tau0:.2f})")
+        return 0
+    finally:
+        if topology is not None:
+            topology.close()
+        out.close()
+
+
+def stopped(out: Output, stop: StopFlag, step: int, save) -> int:
+    out.line(f"signal {stop.signal_name}: checkpointing and exiting")
+    if save is not None:
+        save(step)
+    else:
+        out.line("nothing to checkpoint yet (training had not started)")
+    out.line(f"stopped at step {step}")
+    sys.stdout.flush()
+    return 0
