@@ -9,8 +9,8 @@ short_description: Append or update a run record in the controller's run ledger
 description:
   - The run ledger is a JSON-lines file on the controller (C(.state/runs.jsonl)), one record per
     launch, keyed by C(run_id).
-  - Always runs on the controller, whatever the target: it is an action plugin and never runs a
-    module on the target. Writes atomically (temporary file, rename) under an exclusive lock.
+  - Always runs on the controller, whatever the target (an action plugin; it never runs a
+    module on the target). Writes atomically (temporary file, rename) under an exclusive lock.
   - O(state=present) appends the record, or replaces the line with the same C(run_id) where it
     differs. Supports check mode.
 options:

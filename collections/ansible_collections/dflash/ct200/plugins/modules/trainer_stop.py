@@ -7,7 +7,7 @@ DOCUMENTATION = r"""
 module: trainer_stop
 short_description: Stop a DFlash trainer gracefully
 description:
-  - Sends SIGTERM to the recorded trainer (only when the PID still is that trainer: same start
+  - Sends SIGTERM to the recorded trainer (only when the PID still is that trainer, with the same start
     time and boot id), then waits for its checkpoint line and its exit.
   - When it has not exited after O(timeout) seconds, sends SIGKILL and says so.
   - Does nothing, unchanged, when no run is recorded, the trainer has exited already, or the PID

@@ -7,11 +7,11 @@ DOCUMENTATION = r"""
 module: workspace_sync
 short_description: Bring a set of files in a directory to the given content and modes
 description:
-  - Writes each of O(files) below O(dest) whose content or mode differs (atomically: a temporary
+  - Writes each of O(files) below O(dest) whose content or mode differs (atomically, through a temporary
     file, then a rename), creates missing directories, and removes files below the O(prune)
     directories that are not in O(files) (byte-code caches excepted).
   - It compares the real content on the target (SHA-256), so it is idempotent and notices drift.
-  - One module run for the whole tree: C(ansible.builtin.copy) costs one module run per file,
+  - One module run for the whole tree, where C(ansible.builtin.copy) costs one module run per file,
     about half a second each on a small host, which is most of a launch's time budget. Like copy
     it needs nothing but Python on the target, so it works over any connection, including
     C(community.proxmox.proxmox_pct_remote); rsync-based C(synchronize) does not.

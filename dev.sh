@@ -1,0 +1,58 @@
+#!/bin/sh
+# One entry point for people and CI. Creates .venv from requirements-dev.txt when it is missing or
+# the requirements changed, then runs the command.
+#
+#   ./dev.sh launch [RUN]   launch a run on the local default (default RUN: nographs)
+#   ./dev.sh status         report the recorded run
+#   ./dev.sh stop           stop it (SIGTERM, checkpoint, exit)
+#   ./dev.sh test           ruff, ansible-lint (production), pytest, molecule (default)
+#   ./dev.sh bench          launch/status timings next to the raw nohup one-liner
+#   ./dev.sh setup          only create or update .venv
+set -eu
+
+cd "$(dirname "$0")"
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+# Not the first python3 on PATH: on these machines that can be a broken pyenv shim.
+PYTHON=${PYTHON:-/usr/bin/python3}
+
+setup() {
+    stamp=$(cat requirements.txt requirements-dev.txt | sha256sum | cut -d' ' -f1)
+    if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.requirements.sha256" 2>/dev/null)" = "$stamp" ]; then
+        return 0
+    fi
+    if ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
+        echo "error: $PYTHON cannot create a venv; install python3-venv (apt-get install -y python3-venv)" >&2
+        exit 2
+    fi
+    echo "setting up $VENV from requirements-dev.txt (a few minutes the first time)" >&2
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VENV/bin/python" -m pip install --quiet -r requirements-dev.txt
+    echo "$stamp" > "$VENV/.requirements.sha256"
+}
+
+run_tests() {
+    ruff check .
+    ansible-lint --profile production
+    python -m pytest -q
+    molecule test -s default
+}
+
+command=${1:-}
+[ $# -gt 0 ] && shift
+setup
+PATH="$VENV/bin:$PATH"
+export PATH
+case "$command" in
+    setup) ;;
+    launch) exec ansible-playbook playbooks/launch.yml -e "run=${1:-nographs}" ;;
+    status) exec ansible-playbook playbooks/status.yml ;;
+    stop) exec ansible-playbook playbooks/stop.yml ;;
+    test) run_tests ;;
+    bench) exec python scripts/bench_launch.py "$@" ;;
+    *)
+        sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
+        exit 2
+        ;;
+esac

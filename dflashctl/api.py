@@ -1,0 +1,184 @@
+"""Drive the playbooks through ansible-runner and read their results from events."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ansible_runner
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_NAME_HINT = "a run name is a string such as 'nographs' (see trainer/runs/)"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where the playbooks, the inventory and the controller state are.
+
+    ``state_dir`` holds everything a run leaves on the controller: the fact cache (``facts/``),
+    the run ledger (``runs.jsonl``), the runner's artifacts (``runner/``) and, on the local
+    default inventory, the workspace the trainer runs in (``workspace/``).
+    """
+
+    repo: Path = REPO
+    inventory: Path | None = None
+    state_dir: Path | None = None
+    extravars: Mapping[str, Any] = field(default_factory=dict)
+    envvars: Mapping[str, str] = field(default_factory=dict)
+    # Seconds for one playbook; None: no limit beyond the playbooks' own timeouts.
+    timeout: int | None = None
+    # Runner artifact directories kept under state_dir/runner/artifacts.
+    keep_artifacts: int = 20
+
+    def __post_init__(self) -> None:
+        repo = Path(self.repo).resolve()
+        object.__setattr__(self, "repo", repo)
+        inventory = Path(self.inventory) if self.inventory else repo / "inventory" / "local"
+        object.__setattr__(self, "inventory", inventory.resolve())
+        state_dir = Path(self.state_dir) if self.state_dir else repo / ".state"
+        # The runner keeps a per-run fact cache unless it is given an absolute path.
+        object.__setattr__(self, "state_dir", state_dir.resolve())
+        if not (repo / "playbooks" / "launch.yml").is_file():
+            raise ValueError(f"{repo} has no playbooks/launch.yml: point Settings.repo at the checkout")
+        if not self.inventory.exists():
+            raise ValueError(
+                f"inventory {self.inventory} does not exist (try {repo / 'inventory' / 'local'})"
+            )
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError("timeout must be a positive number of seconds, or None")
+
+
+@dataclass
+class PlaybookResult:
+    """What one playbook run reported, read from the runner's events."""
+
+    playbook: str
+    status: str
+    rc: int
+    stats: dict[str, Any]
+    facts: dict[str, dict[str, Any]]
+    failures: list[str]
+    artifact_dir: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "successful" and self.rc == 0
+
+
+class PlaybookFailed(RuntimeError):
+    """A playbook failed; the message carries the failed tasks' own messages."""
+
+    def __init__(self, result: PlaybookResult) -> None:
+        self.result = result
+        detail = "\n".join(result.failures) or f"status {result.status}, rc {result.rc}"
+        super().__init__(f"{result.playbook} failed:\n{detail}\n(runner artifacts: {result.artifact_dir})")
+
+
+class Controller:
+    """Launch, status and stop of DFlash runs on the host ``ct200`` of an inventory."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
+
+    def launch(self, run: str, **extravars: Any) -> dict[str, Any]:
+        """Run launch.yml for ``run``; return the run record (run_id, pid, log, ...).
+
+        Raises PlaybookFailed when the launch is refused or the trainer does not reach its first
+        progress line; the ledger keeps the record of a trainer that was started.
+        """
+        if not isinstance(run, str):
+            raise TypeError(RUN_NAME_HINT)
+        result = self.run_playbook("launch.yml", {"run": run, **extravars})
+        record = result.facts.get("ct200", {}).get("trainer_run") or result.stats.get("trainer_run")
+        if not record:
+            raise PlaybookFailed(result)
+        return record
+
+    def status(self, **extravars: Any) -> dict[str, Any]:
+        """Run status.yml; return the status report (state, run, pid, last_progress, last_eval, gpus)."""
+        return self.run_playbook("status.yml", extravars).stats["dflash_status"]
+
+    def stop(self, **extravars: Any) -> dict[str, Any]:
+        """Run stop.yml; return what happened (state_before, checkpoint, killed, msg)."""
+        return self.run_playbook("stop.yml", extravars).stats["dflash_stop"]
+
+    def run_playbook(self, playbook: str, extravars: Mapping[str, Any]) -> PlaybookResult:
+        """Run one playbook of playbooks/ and return its result; raise PlaybookFailed on failure."""
+        settings = self.settings
+        state = settings.state_dir
+        private = state / "runner"
+        private.mkdir(parents=True, exist_ok=True)
+        env = {
+            "ANSIBLE_CONFIG": str(settings.repo / "ansible.cfg"),
+            # ansible-runner starts ansible-playbook from PATH: use the one next to this Python.
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+            **settings.envvars,
+        }
+        runner = ansible_runner.run(
+            private_data_dir=str(private),
+            project_dir=str(settings.repo),
+            playbook=str(settings.repo / "playbooks" / playbook),
+            inventory=str(settings.inventory),
+            extravars={"dflash_state_dir": str(state), **settings.extravars, **extravars},
+            envvars=env,
+            fact_cache=str(state / "facts"),
+            fact_cache_type="jsonfile",
+            # Without this the runner writes extravars and env (secrets) under env/ on disk.
+            suppress_env_files=True,
+            rotate_artifacts=settings.keep_artifacts,
+            timeout=settings.timeout,
+            quiet=True,
+        )
+        result = read_events(playbook, runner)
+        scrub_command_artifact(Path(runner.config.artifact_dir))
+        if not result.ok:
+            raise PlaybookFailed(result)
+        return result
+
+
+# Environment variables whose values may stay in the runner's `command` artifact.
+SAFE_ENV = {"PATH", "HOME", "LANG", "PWD", "ANSIBLE_CONFIG", "PYTHONUNBUFFERED"}
+
+
+def scrub_command_artifact(artifact_dir: Path) -> None:
+    """ansible-runner writes the whole environment into <artifact_dir>/command, even with
+    suppress_env_files=True: keep the variable names, drop the values (tokens live there)."""
+    path = artifact_dir / "command"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    env = data.get("env") or {}
+    data["env"] = {key: (value if key in SAFE_ENV else "<redacted>") for key, value in env.items()}
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+
+
+def read_events(playbook: str, runner: Any) -> PlaybookResult:
+    """Collect set_stats data, cacheable facts and failure messages from the runner's events."""
+    stats: dict[str, Any] = {}
+    facts: dict[str, dict[str, Any]] = {}
+    failures: list[str] = []
+    for event in runner.events:
+        kind = event.get("event")
+        data = event.get("event_data", {})
+        res = data.get("res") or {}
+        if kind == "runner_on_ok" and isinstance(res.get("ansible_facts"), dict):
+            facts.setdefault(data.get("host", ""), {}).update(res["ansible_facts"])
+        elif kind in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
+            failures.append(f"{data.get('host')}: {data.get('task')}: {res.get('msg', res)}")
+        elif kind == "playbook_on_stats":
+            stats.update(data.get("artifact_data") or {})
+    return PlaybookResult(
+        playbook=playbook,
+        status=runner.status,
+        rc=runner.rc,
+        stats=stats,
+        facts=facts,
+        failures=failures,
+        artifact_dir=str(runner.config.artifact_dir),
+    )

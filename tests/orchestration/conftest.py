@@ -1,0 +1,98 @@
+"""Fixtures for the orchestration tests: real playbooks through ansible-runner (dflashctl), the real
+trainer on CPU, controller state in a temporary directory, a stand-in nvidia-smi where a test needs one."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dflashctl import Controller, PlaybookFailed, Settings
+
+REPO = Path(__file__).resolve().parents[2]
+FAKES = Path(__file__).resolve().parent / "fakes"
+H200_UUID = "GPU-7590547c-d9a8-b760-1c4e-93ce4dbbbac8"
+
+
+def gpu_state(memory_used: int, utilization: int, apps: list[dict] | None = None) -> dict:
+    """A one-GPU nvidia-smi state for the stand-in (modelled on the H200 reference capture)."""
+    return {
+        "gpus": [
+            {
+                "index": 0,
+                "uuid": H200_UUID,
+                "name": "NVIDIA H200",
+                "memory_total": 143771,
+                "memory_used": memory_used,
+                "utilization": utilization,
+            }
+        ],
+        "apps": apps or [],
+    }
+
+
+BUSY = gpu_state(
+    21363, 100, [{"pid": 425, "gpu_uuid": H200_UUID, "process_name": "python3", "used_memory": 21354}]
+)
+IDLE = gpu_state(0, 0)
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+def make_controller(state_dir: Path, nvidia_smi_state: dict | None = None, **extravars) -> Controller:
+    envvars = {}
+    if nvidia_smi_state is not None:
+        state_file = state_dir.parent / "nvidia-smi-state.json"
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        state_file.write_text(json.dumps(nvidia_smi_state), encoding="utf-8")
+        envvars = {
+            "PATH": os.pathsep.join([str(FAKES), str(Path(sys.executable).parent), os.environ["PATH"]]),
+            "NVIDIA_SMI_STANDIN_STATE": str(state_file),
+        }
+    return Controller(Settings(state_dir=state_dir, envvars=envvars, extravars=extravars, timeout=900))
+
+
+@pytest.fixture
+def controller(state_dir: Path) -> Iterator[Controller]:
+    """A controller on the local default inventory with its own state; stops what it launched."""
+    ctl = make_controller(state_dir)
+    yield ctl
+    stop_leftovers(ctl, state_dir)
+
+
+def ledger(state_dir: Path) -> list[dict]:
+    path = state_dir / "runs.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def stop_leftovers(ctl: Controller, state_dir: Path) -> None:
+    """Stop every trainer a test started: through stop.yml, else by its recorded PID (ours only)."""
+    with contextlib.suppress(PlaybookFailed):
+        ctl.stop()
+    for record in ledger(state_dir):
+        if is_our_trainer(record):
+            os.kill(record["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while is_our_trainer(record) and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+def is_our_trainer(record: dict) -> bool:
+    try:
+        stat = Path(f"/proc/{record['pid']}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[0] not in ("Z", "X") and int(fields[19]) == record["start_time"]
