@@ -37,7 +37,8 @@ DEFAULT_STATE = Path(os.environ.get("TESTNODE_STATE", "/run/dflash-testnode"))
 SUITE = "bookworm"
 MIRROR = os.environ.get("TESTNODE_MIRROR", "http://deb.debian.org/debian")
 TEMPLATE = "debian-12-dflash_12.0-1_amd64.tar.gz"
-ROOTFS_PACKAGES = "python3,python3-venv,python3-packaging,procps,tini,ca-certificates"
+# python3-dev, gcc and g++: torch.compile builds its kernels with them (as on a real CT).
+ROOTFS_PACKAGES = "python3,python3-venv,python3-packaging,python3-dev,gcc,g++,procps,tini,ca-certificates"
 LOOPBACK = "127.0.0.1"
 TOKEN_USER_DEFAULT = "root@pam"
 # Binds every test container gets read-only: the host's wheel folder (pip's find-links here).
