@@ -21,6 +21,9 @@ from typing import Any
 import ansible_runner
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from dflashctl.api import Controller, PlaybookFailed, Settings, scrub_command_artifact  # noqa: E402
+
 TESTNODE = REPO / "tests" / "testnode" / "testnode.py"
 INVENTORY = REPO / "molecule" / "proxmox" / "inventory"
 NEEDS = ("lxc-start", "lxc-attach", "debootstrap", "unshare")
@@ -121,10 +124,10 @@ class RealHostNode:
 
     def play(self, playbook: str, *cmdline: str, extravars: dict[str, Any] | None = None,
              env: dict[str, str | None] | None = None) -> PlayResult:
-        """Run playbooks/<playbook> on the test inventory; env entries set (or, None, unset) variables."""
+        """Run playbooks/<playbook> on the test inventory through dflashctl (ansible-runner), as the
+        product does; env entries set (or, None, unset) variables of the controller for this run."""
         self.runs += 1
-        private = self.work_dir / "runner" / f"{self.runs:02d}-{Path(playbook).stem}"
-        private.mkdir(parents=True)
+        settings = Settings(inventory=INVENTORY, state_dir=self.work_dir / "state", keep_artifacts=100)
         saved = {key: os.environ.get(key) for key in (env or {})}
         for key, value in (env or {}).items():
             if value is None:
@@ -133,12 +136,12 @@ class RealHostNode:
                 os.environ[key] = value
         started = time.monotonic()
         try:
-            runner = ansible_runner.run(
-                private_data_dir=str(private), project_dir=str(REPO),
-                playbook=str(REPO / "playbooks" / playbook),
-                inventory=str(INVENTORY), cmdline=" ".join(cmdline) or None, quiet=True,
-                extravars=dict({"dflash_state_dir": str(self.work_dir / "state")}, **(extravars or {})),
-                suppress_env_files=True)
+            if cmdline:
+                result = run_with_cmdline(settings, playbook, dict(extravars or {}), " ".join(cmdline))
+            else:
+                result = Controller(settings).run_playbook(playbook, dict(extravars or {}))
+        except PlaybookFailed as failed:
+            result = failed.result
         finally:
             for key, value in saved.items():
                 if value is None:
@@ -146,6 +149,23 @@ class RealHostNode:
                 else:
                     os.environ[key] = value
         seconds = time.monotonic() - started
-        stdout = runner.stdout.read() if runner.stdout else ""
-        return PlayResult(status=runner.status, rc=runner.rc, stdout=stdout, seconds=seconds,
-                          events=list(runner.events))
+        artifacts = Path(result.artifact_dir)
+        stdout = (artifacts / "stdout").read_text() if (artifacts / "stdout").exists() else ""
+        events = [json.loads(p.read_text()) for p in sorted((artifacts / "job_events").glob("*.json"))]
+        return PlayResult(status=result.status, rc=result.rc, stdout=stdout, seconds=seconds, events=events)
+
+
+def run_with_cmdline(settings: Settings, playbook: str, extravars: dict[str, Any], cmdline: str) -> Any:
+    """dflashctl's run with extra ansible-playbook options (--check), which its API does not take."""
+    from dflashctl.api import read_events
+    private = settings.state_dir / "runner"
+    private.mkdir(parents=True, exist_ok=True)
+    runner = ansible_runner.run(
+        private_data_dir=str(private), project_dir=str(settings.repo),
+        playbook=str(settings.repo / "playbooks" / playbook), inventory=str(settings.inventory),
+        extravars={"dflash_state_dir": str(settings.state_dir), **extravars}, cmdline=cmdline,
+        envvars={"ANSIBLE_CONFIG": str(settings.repo / "ansible.cfg")},
+        fact_cache=str(settings.state_dir / "facts"), fact_cache_type="jsonfile",
+        suppress_env_files=True, quiet=True)
+    scrub_command_artifact(Path(runner.config.artifact_dir))
+    return read_events(playbook, runner)
