@@ -59,6 +59,11 @@ class PlayResult:
         stats = [e for e in self.events if e.get("event") == "playbook_on_stats"]
         return sum(stats[-1]["event_data"].get("changed", {}).values()) if stats else -1
 
+    def stats_data(self) -> dict[str, Any]:
+        """What the playbook published with set_stats (dflash_status, dflash_stop, ...)."""
+        stats = [e for e in self.events if e.get("event") == "playbook_on_stats"]
+        return stats[-1]["event_data"].get("artifact_data", {}) if stats else {}
+
     def failure_messages(self) -> list[str]:
         return [str(e["event_data"]["res"].get("msg", "")) for e in self.events
                 if e.get("event") == "runner_on_failed" and not e["event_data"].get("ignore_errors")]

@@ -137,7 +137,8 @@ def test_launch_status_stop_through_pct(node: RealHostNode) -> None:
     assert argv[0].endswith("/workspace/.venv/bin/python"), argv
     status = node.play("status.yml")
     assert status.ok, status.stdout[-3000:]
-    assert "running" in status.stdout
+    report = status.stats_data()["dflash_status"]
+    assert report["state"] == "running" and int(report["pid"]) == record["pid"], report
     stop = node.play("stop.yml")
     assert stop.ok, stop.stdout[-3000:]
     checkpoints = node.state_dir / "host" / "ct200-workspace" / "runs" / "nographs" / "checkpoints"

@@ -41,7 +41,10 @@ class LxcNode:
     extra_binds: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     def _run(self, *argv: str) -> str:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=LXC_TIMEOUT_S, check=False)
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=LXC_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            raise NodeError(f"{' '.join(argv[:2])} did not finish within {LXC_TIMEOUT_S}s") from None
         if proc.returncode != 0:
             raise NodeError(f"{' '.join(argv[:2])} failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
         return proc.stdout
@@ -150,9 +153,13 @@ class LxcNode:
             self._run("lxc-stop", "-P", str(self.lxcpath), "-n", str(vmid), "-t", "10")
 
     def destroy(self, vmid: int) -> None:
-        if self.exists(vmid):
-            self.stop(vmid)
-            self._run("lxc-destroy", "-P", str(self.lxcpath), "-n", str(vmid))
+        """Stop (killing what does not stop) and remove the container's folder, rootfs included."""
+        if self.exists(vmid) and self.state(vmid) == "running":
+            try:
+                self._run("lxc-stop", "-P", str(self.lxcpath), "-n", str(vmid), "-t", "10")
+            except NodeError:
+                self._run("lxc-stop", "-P", str(self.lxcpath), "-n", str(vmid), "-k")
+        # What lxc-destroy does for a dir rootfs, without its time limit on a large rootfs.
         shutil.rmtree(self.ct_dir(vmid), ignore_errors=True)
 
     def attach_argv(self, vmid: int, command: list[str]) -> list[str]:

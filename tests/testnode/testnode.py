@@ -326,7 +326,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         for ct in sorted((state / "lxc").iterdir()):
             try:
                 lxc.destroy(int(ct.name))
-            except (NodeError, ValueError) as exc:
+            except Exception as exc:  # keep going: the processes below must end whatever happens here
                 problems.append(f"{ct}: {exc}")
     if info.get("init_pid"):
         end_process(info["init_pid"])
