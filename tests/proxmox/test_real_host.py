@@ -101,13 +101,14 @@ def test_provision_from_nothing_then_no_change(node: RealHostNode) -> None:
 
 def test_locked_container_is_refused_and_changes_nothing(node: RealHostNode) -> None:
     node.control({"op": "lock", "vmid": 200, "lock": "backup"})
-    before = node.api_state()
     try:
+        before = node.api_state()
         result = node.play("provision.yml")
+        after = node.api_state()
     finally:
         node.control({"op": "lock", "vmid": 200, "lock": None})
     assert_failed_clearly(result, "CT 200 is locked (backup)")
-    assert node.api_state() == before
+    assert after == before
 
 
 def test_busy_gpu_makes_launch_fail_naming_it(node: RealHostNode) -> None:
