@@ -120,7 +120,7 @@ def test_busy_gpu_makes_launch_fail_naming_it(node: RealHostNode) -> None:
     assert_failed_clearly(result, "GPU 3")
     # Refused before anything started: no run recorded, no trainer in the container.
     assert not (node.work_dir / "state" / "runs.jsonl").exists()
-    assert node.pct("exec", VMID, "--", "pgrep", "-f", "-m", "trainer").returncode == 1
+    assert node.pct("exec", VMID, "--", "pgrep", "-f", "trainer --run").returncode == 1
 
 
 def test_launch_status_stop_through_pct(node: RealHostNode) -> None:
