@@ -105,7 +105,7 @@ class CompileConfig:
 class TrainConfig:
     """The optimisation: steps, batch, schedule, and the cadence of logging, evaluation, checkpoints."""
 
-    steps: int = 300
+    steps: int = 150
     seed: int = 0
     batch_size: int = 8
     """Sequences per worker per step."""
@@ -116,11 +116,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     log_every: int = 10
-    eval_every: int = 100
+    eval_every: int = 50
     """Evaluate tau at step 0, every eval_every steps and at the end (0: only at 0 and the end)."""
     eval_prompts: int = 16
     eval_max_new_tokens: int = 32
-    checkpoint_every: int = 100
+    checkpoint_every: int = 50
     """Periodic checkpoints (0: only on a signal and at the end)."""
 
     def problems(self) -> list[str]:

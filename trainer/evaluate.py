@@ -3,7 +3,12 @@
 Per verify step the drafter fills a block [last token, MASK x (B-1)] from the target context of
 everything before it; the target runs over the block and accepts the longest prefix of drafts that
 equals its own greedy choice, plus its own next token. tau = mean tokens gained per verify step
-(1.0: the drafter never helps). Shapes vary here, so the eager drafter is used, not the compiled one.
+(1.0: the drafter never helps).
+
+All prompts advance together: sequences are right-padded (the target is causal, so padding after a
+row's end changes nothing in it) and each block's attention mask shows it only its own row's
+context, through the same block_attention_mask as training. Shapes vary from step to step, so the
+eager drafter is used, not the compiled one.
 """
 
 from __future__ import annotations
@@ -11,53 +16,74 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from .objective import block_attention_mask
 from .target import target_features_and_next
+
+
+def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Right-padded with token 0: any valid id will do, as nothing attends to positions after it."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
 
 
 @torch.no_grad()
 def speculative_generate(
     drafter,
     target,
-    prompt: list[int],
+    prompts: list[list[int]],
     layer_ids: list[int],
     block_size: int,
     mask_id: int,
     max_new_tokens: int,
     eos_id: int,
     device: torch.device,
-) -> tuple[list[int], list[int]]:
-    """Greedy generation with drafts; returns (generated tokens, accepted count per verify step)."""
-    sequence = torch.tensor([prompt], device=device)
-    features, next_tokens = target_features_and_next(target, sequence, layer_ids)
-    anchor = int(next_tokens[0, -1])
-    generated = [anchor]
-    accepted_per_step: list[int] = []
-    while len(generated) < max_new_tokens and anchor != eos_id:
-        ctx_len = sequence.shape[1]
-        block = torch.full((1, block_size), mask_id, device=device)
-        block[0, 0] = anchor
-        positions = torch.arange(ctx_len, ctx_len + block_size, device=device)[None]
-        allowed = block_attention_mask(torch.tensor([[ctx_len]]), ctx_len, block_size).to(device)
-        hidden = drafter.hidden(features.to(drafter.fc.weight.dtype), block, positions, allowed)
-        drafts = drafter.logits(hidden)[0, 1:].argmax(dim=-1)
+    should_stop: Callable[[], bool] = lambda: False,
+) -> tuple[list[list[int]], list[list[int]]] | None:
+    """Greedy generation with drafts for every prompt at once.
 
-        candidate = torch.cat([sequence, block[:, :1], drafts[None]], dim=1)
-        cand_features, cand_next = target_features_and_next(target, candidate, layer_ids)
-        verified = cand_next[0, ctx_len:]  # target's choice after the anchor and after each draft
-        matches = (drafts == verified[:-1]).int()
-        accepted = int(matches.cumprod(0).sum())
-        gained = [*drafts[:accepted].tolist(), int(verified[accepted])]
-        accepted_per_step.append(accepted + 1)
+    Returns (generated tokens per prompt, accepted count per verify step per prompt), or None if
+    stopped part-way.
+    """
+    sequences = [list(p) for p in prompts]
+    features, next_tokens = target_features_and_next(target, _padded(sequences, device), layer_ids)
+    row_features = [features[i, : len(s)] for i, s in enumerate(sequences)]
+    anchors = [int(next_tokens[i, len(s) - 1]) for i, s in enumerate(sequences)]
+    generated = [[a] for a in anchors]
+    accepted_per_step: list[list[int]] = [[] for _ in prompts]
+    active = [i for i in range(len(prompts)) if anchors[i] != eos_id and max_new_tokens > 1]
+    while active:
+        if should_stop():
+            return None
+        ctx_lens = torch.tensor([len(sequences[i]) for i in active])
+        context = pad_sequence([row_features[i] for i in active], batch_first=True)
+        block = torch.full((len(active), block_size), mask_id, device=device)
+        block[:, 0] = torch.tensor([anchors[i] for i in active], device=device)
+        positions = (ctx_lens[:, None] + torch.arange(block_size)).to(device)
+        allowed = block_attention_mask(ctx_lens[:, None], context.shape[1], block_size).to(device)
+        hidden = drafter.hidden(context.to(drafter.fc.weight.dtype), block, positions, allowed)
+        drafts = drafter.logits(hidden)[:, 1:].argmax(dim=-1).tolist()
 
-        keep = ctx_len + 1 + accepted  # context now covers the anchor and the accepted drafts
-        sequence = candidate[:, :keep]
-        features = cand_features[:, :keep]
-        anchor = gained[-1]
-        generated += gained
-        if eos_id in gained:
-            break
+        candidates = [sequences[i] + [anchors[i]] + d for i, d in zip(active, drafts, strict=True)]
+        cand_features, cand_next = target_features_and_next(target, _padded(candidates, device), layer_ids)
+        still_active = []
+        for row, i in enumerate(active):
+            start = len(sequences[i])
+            verified = cand_next[row, start : start + block_size].tolist()  # after anchor, after each draft
+            accepted = 0
+            while accepted < block_size - 1 and drafts[row][accepted] == verified[accepted]:
+                accepted += 1
+            gained = [*drafts[row][:accepted], verified[accepted]]
+            accepted_per_step[i].append(accepted + 1)
+            keep = start + 1 + accepted  # context now covers the anchor and the accepted drafts
+            sequences[i] = candidates[row][:keep]
+            row_features[i] = cand_features[row, :keep]
+            anchors[i] = gained[-1]
+            generated[i] += gained
+            if eos_id not in gained and len(generated[i]) < max_new_tokens:
+                still_active.append(i)
+        active = still_active
     return generated, accepted_per_step
 
 
@@ -76,16 +102,22 @@ def acceptance_length(
     """tau over the prompts, or None when stopped part-way."""
     was_training = drafter.training
     drafter.eval()
-    total_accepted = total_steps = 0
     try:
-        for prompt in prompts:
-            if should_stop():
-                return None
-            _, per_step = speculative_generate(
-                drafter, target, prompt, layer_ids, block_size, mask_id, max_new_tokens, eos_id, device
-            )
-            total_accepted += sum(per_step)
-            total_steps += len(per_step)
+        result = speculative_generate(
+            drafter,
+            target,
+            prompts,
+            layer_ids,
+            block_size,
+            mask_id,
+            max_new_tokens,
+            eos_id,
+            device,
+            should_stop,
+        )
     finally:
         drafter.train(was_training)
-    return total_accepted / max(total_steps, 1)
+    if result is None:
+        return None
+    per_step = [n for steps in result[1] for n in steps]
+    return sum(per_step) / max(len(per_step), 1)

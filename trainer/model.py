@@ -105,11 +105,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
 
     GQA: each group of h/kv_h query heads shares one key/value head.
     """
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed[:, None], enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 class DrafterAttention(nn.Module):

@@ -111,10 +111,13 @@ class ThreadedTopology:
             answers[rank] = payload
         return answers
 
-    def start(self, should_stop: Callable[[], bool]) -> bool:
-        """Start the workers; each compiles and warms up in turn. False if stopped meanwhile."""
+    def launch(self) -> None:
+        """Start the workers; each compiles and warms up in turn, then waits for shards."""
         for thread in self.threads:
             thread.start()
+
+    def wait_ready(self, should_stop: Callable[[], bool]) -> bool:
+        """Wait until every worker has warmed up. False if should_stop() turned true first."""
         return self._collect("ready", should_stop) is not None
 
     def step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, int, float]:

@@ -11,6 +11,7 @@ import datetime
 import json
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -50,13 +51,15 @@ class Output:
     """stdout and <out>/train.log, line by line, flushed; metrics.jsonl rows."""
 
     def __init__(self, out_dir: Path):
+        self.lock = threading.Lock()  # workers log their compile line from their own threads
         self.log_file: TextIO = (out_dir / "train.log").open("a")
         self.metrics: TextIO = (out_dir / "metrics.jsonl").open("a")
 
     def line(self, text: str) -> None:
-        print(text, flush=True)
-        self.log_file.write(text + "\n")
-        self.log_file.flush()
+        with self.lock:
+            print(text, flush=True)
+            self.log_file.write(text + "\n")
+            self.log_file.flush()
 
     def metric(self, row: dict[str, Any]) -> None:
         self.metrics.write(json.dumps(row) + "\n")
@@ -81,8 +84,11 @@ class StopFlag:
             if self.signal_name is None:
                 self.signal_name = signal.Signals(signum).name
 
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        self.previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def uninstall(self) -> None:
+        for sig, previous in getattr(self, "previous", {}).items():
+            signal.signal(sig, previous)
 
 
 def format_eta(seconds: float) -> str:
@@ -166,7 +172,8 @@ def checkpoint_state(
     }
 
 
-def restore_state(state: dict, cfg: Config, topology: ThreadedTopology, loader: Loader, path: Path) -> None:
+def check_resumable(state: dict, cfg: Config, workers: int, path: Path) -> None:
+    """Refuse (before anything is written) a checkpoint of another format or another setup."""
     if state.get("format") != CHECKPOINT_FORMAT:
         raise BadInput(
             f"checkpoint {path} has format {state.get('format')}, this trainer reads {CHECKPOINT_FORMAT}"
@@ -183,15 +190,16 @@ def restore_state(state: dict, cfg: Config, topology: ThreadedTopology, loader: 
             differences.append(
                 f"train.{key}: checkpoint {getattr(saved.train, key)!r}, now {getattr(cfg.train, key)!r}"
             )
-    if len(state["rng"]["workers"]) != len(topology.replicas):
-        differences.append(
-            f"workers: checkpoint {len(state['rng']['workers'])}, now {len(topology.replicas)}"
-        )
+    if len(state["rng"]["workers"]) != workers:
+        differences.append(f"workers: checkpoint {len(state['rng']['workers'])}, now {workers}")
     if differences:
         raise BadInput(
             f"--resume: {path} was written by a different setup ({'; '.join(differences)}); "
             "resume with the same settings, or start a new --out"
         )
+
+
+def restore_state(state: dict, topology: ThreadedTopology, loader: Loader) -> None:
     for replica, generator_state in zip(topology.replicas, state["rng"]["workers"], strict=True):
         replica.drafter.load_state_dict(state["drafter"])
         replica.optimizer.load_state_dict(state["optimizer"])
@@ -216,8 +224,6 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
             "run.topology=process is not built yet (a later issue adds it under torchrun); "
             "use run.topology=threaded for now"
         )
-    stop = StopFlag()
-    stop.install()
     devices = resolve_devices(cfg.parallel.devices)
     if cfg.parallel.cpu_threads:
         torch.set_num_threads(cfg.parallel.cpu_threads)
@@ -231,11 +237,14 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
                 resume_state = load_checkpoint(resume_from)
             except CheckpointError as exc:
                 raise BadInput(f"{exc}; move it aside to resume from the one before it") from None
+            check_resumable(resume_state, cfg, len(devices), resume_from)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yml").write_text(dump_config(cfg))
     out = Output(out_dir)
     topology = None
+    stop = StopFlag()
+    stop.install()
     try:
         out.line(
             f"run {cfg.run.name}: topology {cfg.run.topology}, devices {', '.join(map(str, devices))}, "
@@ -260,18 +269,6 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
 
         lead_target = load_target(target_path, devices[0], cfg.model.dtype)
         layer_ids = target_layer_ids(num_target_layers(lead_target.config), cfg.drafter.num_context_layers)
-        prepared = prepare_data(
-            cfg, lead_target, tokenizer, chat, train_file, target_path, devices[0], out, stop
-        )
-        if prepared is None:
-            return stopped(out, stop, 0, None)
-        train_examples, eval_prompts = prepared
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_id
-        train_set = build_train_set(train_examples, chat, cfg.train.seq_len, pad_id)
-        out.line(
-            f"data: {len(train_examples)} training conversations, {len(eval_prompts)} held-out prompts, "
-            f"{train_set.supervised_fraction:.0%} of tokens supervised; target layers {layer_ids}"
-        )
 
         torch.manual_seed(cfg.train.seed)
         replicas = []
@@ -285,18 +282,28 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
             f"drafter: {cfg.drafter.num_layers} layers, {n_params / 1e6:.2f}M trainable parameters, "
             f"block {cfg.drafter.block_size}, {cfg.drafter.num_anchors} anchors"
         )
-        loader = Loader(train_set, cfg.train.batch_size * len(devices), cfg.train.seed)
 
+        # Workers compile and warm up one at a time on a dummy batch of the real shapes, and nothing
+        # else runs meanwhile: tracing patches torch.nn.Module.__call__ process-wide, so an eager
+        # forward in another thread (regeneration, evaluation) would be traced into the graph.
         topology = ThreadedTopology(replicas, cfg.parallel.step_timeout_s, out.line)
-        if not topology.start(stop):
+        topology.launch()
+        if not topology.wait_ready(stop):
             return stopped(out, stop, 0, None)
 
-        step, tau0 = 0, None
-        if resume_from is not None:
-            restore_state(resume_state, cfg, topology, loader, resume_from)
-            step = int(resume_state["step"])
-            tau0 = resume_state["tau0"] if resume_state["tau0"] >= 0 else None
-            out.line(f"resumed from {resume_from} at step {step}")
+        prepared = prepare_data(
+            cfg, lead_target, tokenizer, chat, train_file, target_path, devices[0], out, stop
+        )
+        if prepared is None:
+            return stopped(out, stop, 0, None)
+        train_examples, eval_prompts = prepared
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_id
+        train_set = build_train_set(train_examples, chat, cfg.train.seq_len, pad_id)
+        out.line(
+            f"data: {len(train_examples)} training conversations, {len(eval_prompts)} held-out prompts, "
+            f"{train_set.supervised_fraction:.0%} of tokens supervised; target layers {layer_ids}"
+        )
+        loader = Loader(train_set, cfg.train.batch_size * len(devices), cfg.train.seed)
 
         def evaluate(at_step: int) -> float | None:
             tau = acceptance_length(
@@ -322,6 +329,12 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
             )
             out.line(f"checkpoint saved step {at_step} {path}")
 
+        step, tau0 = 0, None
+        if resume_from is not None:
+            restore_state(resume_state, topology, loader)
+            step = int(resume_state["step"])
+            tau0 = resume_state["tau0"] if resume_state["tau0"] >= 0 else None
+            out.line(f"resumed from {resume_from} at step {step}")
         if tau0 is None:
             tau0 = evaluate(step)
             if tau0 is None:
@@ -371,6 +384,7 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
         if topology is not None:
             topology.close()
         out.close()
+        stop.uninstall()
 
 
 def stopped(out: Output, stop: StopFlag, step: int, save) -> int:

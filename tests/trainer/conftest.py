@@ -35,3 +35,15 @@ def embedded(cache_dir):
     from trainer.embedded import ensure_embedded
 
     return ensure_embedded(cache_dir)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """In-process tests use one intra-op thread, like the trainer's default (parallel.cpu_threads=1):
+    on a shared 2-core machine spinning OpenMP threads make tiny ops many times slower."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

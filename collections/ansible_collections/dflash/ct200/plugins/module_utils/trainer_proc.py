@@ -66,6 +66,9 @@ def probe(pid: int | None, start_time: int | None, recorded_boot_id: str | None,
     if not (same_boot and same_start):
         # After a reboot or once the PID was reused, the recorded trainer is gone.
         state = "not_ours"
+    elif not cmdline:
+        # Our process, but its memory is already released: it is exiting.
+        return {"state": "exited", "alive": False, "pid": pid, "cmdline": []}
     elif is_trainer_cmdline(cmdline, run):
         state = "running"
     else:

@@ -162,6 +162,8 @@ def wait(module: AnsibleModule, pattern: re.Pattern[str]) -> dict:
             result["waited_s"] = round(time.monotonic() - started, 2)
             return result
         if result["state"] != "running":
+            time.sleep(POLL_S)  # let an exiting trainer's last lines reach the log
+            result = report(module)
             status = result.get("exit_status")
             shown = "unknown (the log does not say)" if status is None else str(status)
             module.fail_json(

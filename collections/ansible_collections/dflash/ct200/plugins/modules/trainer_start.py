@@ -76,8 +76,10 @@ import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
+    exit_from_log,
     is_trainer_cmdline,
     probe,
+    read_stat,
     tail,
 )
 
@@ -116,18 +118,32 @@ def main() -> None:
     process.returncode = 0  # keeps Popen's destructor from warning about a running child
     deadline = time.monotonic() + params["settle"]
     current = probe(pid, None, None, None)
-    while current["alive"] and not is_trainer_cmdline(current["cmdline"]) and time.monotonic() < deadline:
+    # While run.sh exec's python, /proc/<pid>/cmdline may read empty or show the shell: poll.
+    while time.monotonic() < deadline and not is_trainer_cmdline(current["cmdline"]):
+        stat = read_stat(pid)
+        if stat is None or stat["state"] in ("Z", "X"):
+            break
         time.sleep(POLL_S)
         current = probe(pid, None, None, None)
-    if not current["alive"] or not is_trainer_cmdline(current["cmdline"], params["run"]):
-        what = "exited" if not current["alive"] else "not the trainer: " + " ".join(current["cmdline"])
+    stat = read_stat(pid)
+    alive = stat is not None and stat["state"] not in ("Z", "X")
+    if not alive or not current["alive"] or not is_trainer_cmdline(current["cmdline"], params["run"]):
+        time.sleep(0.2)  # let an exiting trainer's last lines reach the log
+        log_tail = tail(params["log"], params["tail_lines"])
+        if alive:
+            what = "is not the trainer: " + (" ".join(current["cmdline"]) or "(empty command line)")
+        else:
+            status = exit_from_log(log_tail)["exit_status"]
+            shown = "unknown (the log does not say)" if status is None else str(status)
+            what = f"exited; exit status: {shown}"
         module.fail_json(
             msg=(
-                f"{params['script']} started as PID {pid} but it is {what} (run {params['run']}). "
-                f"Last lines of {params['log']}:\n" + "\n".join(tail(params["log"], params["tail_lines"]))
+                f"{params['script']} started as PID {pid} (run {params['run']}) but it {what}. "
+                f"Last lines of {params['log']}:\n" + "\n".join(log_tail)
             ),
             changed=True,
             pid=pid,
+            boot_id=current.get("boot_id"),
         )
     module.exit_json(
         changed=True,

@@ -1,0 +1,89 @@
+"""tau by real greedy verification against the target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.evaluate import acceptance_length, speculative_generate
+from trainer.model import DFlashDrafter, DrafterShape, target_layer_ids
+from trainer.target import shared_parts
+
+VOCAB, BLOCK, MASK_ID, NO_EOS = 60, 4, 59, -1
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def target():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+    )
+    return Qwen3ForCausalLM(config).eval()
+
+
+def greedy(target, prompt, count):
+    out = target.generate(
+        torch.tensor([prompt]), max_new_tokens=count, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+class OracleDrafter(torch.nn.Module):
+    """Knows the target's greedy continuation of one prompt; right for the first `correct` drafts."""
+
+    def __init__(self, prompt_len: int, continuation: list[int], correct: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(1, 1)
+        self.prompt_len, self.continuation, self.correct = prompt_len, continuation, correct
+
+    def hidden(self, context, block, positions, allowed):
+        return positions
+
+    def logits(self, positions):
+        logits = torch.zeros(*positions.shape, VOCAB)
+        for row in range(positions.shape[0]):
+            for k, position in enumerate(positions[row].tolist()):
+                index = min(position - self.prompt_len, len(self.continuation) - 1)
+                token = self.continuation[index]
+                logits[row, k, token if k <= self.correct else (token + 1) % VOCAB] = 1.0
+        return logits
+
+
+@pytest.mark.parametrize(("correct", "expected_tau"), [(BLOCK - 1, 4.0), (2, 3.0), (0, 1.0)])
+def test_tau_counts_accepted_drafts(target, correct, expected_tau):
+    prompt, new_tokens = [3, 4, 5, 6], 17
+    continuation = greedy(target, prompt, new_tokens + BLOCK)
+    oracle = OracleDrafter(len(prompt), continuation, correct)
+    layers = target_layer_ids(5, 2)
+    generated, per_step = speculative_generate(
+        oracle, target, [prompt], layers, BLOCK, MASK_ID, new_tokens, NO_EOS, CPU
+    )
+    assert per_step[0] and set(per_step[0]) == {int(expected_tau)}
+    assert generated[0] == continuation[: len(generated[0])]  # speculation never changes the output
+    assert acceptance_length(oracle, target, [prompt], layers, BLOCK, MASK_ID, new_tokens, NO_EOS, CPU) == (
+        expected_tau
+    )
+
+
+def test_batched_verification_equals_one_prompt_at_a_time(target):
+    layers = target_layer_ids(5, 2)
+    drafter = DFlashDrafter(DrafterShape.from_target(target.config, 1, len(layers)), shared_parts(target))
+    drafter.reset_parameters(std=0.3)
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23]]
+    args = (layers, BLOCK, MASK_ID, 12, NO_EOS, CPU)
+    generated, per_step = speculative_generate(drafter, target, prompts, *args)
+    for i, prompt in enumerate(prompts):
+        alone_generated, alone_steps = speculative_generate(drafter, target, [prompt], *args)
+        assert alone_generated[0] == generated[i]
+        assert alone_steps[0] == per_step[i]
+        assert generated[i] == greedy(target, prompt, len(generated[i]))

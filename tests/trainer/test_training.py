@@ -1,0 +1,196 @@
+"""Real training runs on CPU: it learns, it stops on SIGTERM with a checkpoint, it resumes exactly,
+and a failing worker stops the run."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.cli import main
+
+from .conftest import REPO, run_trainer
+
+pytestmark = pytest.mark.slow
+
+FAST = ["--set", "train.eval_prompts=4", "--set", "train.eval_max_new_tokens=12"]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_short_run_learns(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    result = run_trainer(
+        "--run",
+        "eager",
+        "--out",
+        str(out),
+        "--steps",
+        "120",
+        "--set",
+        f"data.cache_dir={cache_dir}",
+        "--set",
+        "train.log_every=20",
+        "--set",
+        "train.eval_every=60",
+        "--set",
+        "train.checkpoint_every=60",
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    progress = [line for line in lines if re.match(r"^step \d+/\d+ ", line)]
+    assert len(progress) == 6
+    assert re.match(r"^step 20/120 loss [0-9.]+ lr [0-9.e+-]+ tok/s \d+ eta \d+:\d\d:\d\d$", progress[0])
+    evals_printed = [line for line in lines if re.match(r"^eval step \d+ tau [0-9.]+", line)]
+    assert evals_printed[0].startswith("eval step 0 ")
+    assert re.match(
+        r"^checkpoint saved step 120 ", [line for line in lines if "checkpoint saved" in line][-1]
+    )
+    assert re.match(r"^done: step 120, tau [0-9.]+ \(step 0: [0-9.]+\)$", lines[-1])
+
+    rows = metrics(out)
+    evals = [row for row in rows if row["kind"] == "eval"]
+    train_rows = [row for row in rows if row["kind"] == "train"]
+    assert [row["step"] for row in evals] == [0, 60, 120]
+    assert {"step", "loss", "lr", "tokens_per_s", "elapsed_s"} <= set(train_rows[0])
+    tau0, tau_end = evals[0]["tau"], evals[-1]["tau"]
+    assert tau0 < 1.3  # an untrained drafter barely helps
+    assert tau_end > tau0 + 0.5, (tau0, tau_end)  # it learned to imitate the target
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+    assert (out / "config.yml").is_file() and (out / "train.log").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000060.pt", "step_00000120.pt"]
+    assert (out / "train.log").read_text().splitlines() == lines
+
+
+def _losses(out: Path) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in metrics(out) if row["kind"] == "train"}
+
+
+def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
+    common = [
+        "--run",
+        "eager",
+        "--steps",
+        "24",
+        "--seed",
+        "3",
+        "--set",
+        f"data.cache_dir={cache_dir}",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.checkpoint_every=0",
+        *FAST,
+    ]
+    straight = tmp_path / "straight"
+    result = run_trainer(*common, "--out", str(straight))
+    assert result.returncode == 0, result.stderr
+
+    interrupted = tmp_path / "interrupted"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainer", *common, "--out", str(interrupted)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and process.poll() is None:
+            if (interrupted / "metrics.jsonl").exists() and len(_losses(interrupted)) >= 8:
+                break
+            time.sleep(0.1)
+        assert process.poll() is None, "the run ended before it could be interrupted"
+        process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        stdout, stderr = process.communicate(timeout=30)
+        assert time.monotonic() - sent < 30
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, stderr
+    assert "signal SIGTERM: checkpointing and exiting" in stdout
+    stopped_at = int(re.search(r"^stopped at step (\d+)$", stdout, re.M).group(1))
+    assert 8 <= stopped_at < 24
+    assert f"checkpoint saved step {stopped_at} " in stdout
+
+    refused = run_trainer(*common, "--out", str(interrupted))
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+
+    resumed = run_trainer(*common, "--out", str(interrupted), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert (
+        f"resumed from {interrupted / 'checkpoints' / f'step_{stopped_at:08d}.pt'} at step {stopped_at}"
+        in (resumed.stdout)
+    )
+    expected = _losses(straight)
+    assert len(expected) == 24
+    assert _losses(interrupted) == expected  # bit-for-bit the same losses at every step
+
+
+def test_worker_failure_stops_the_run(tmp_path, cache_dir, monkeypatch, capsys):
+    from trainer.replica import Replica
+
+    real_compute = Replica.compute
+    calls = {"n": 0}
+
+    def failing_compute(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the warm-up is call 1; fail in the third training step
+            raise RuntimeError("injected failure in a worker")
+        return real_compute(self, *args, **kwargs)
+
+    monkeypatch.setattr(Replica, "compute", failing_compute)
+    before = {t.name for t in threading.enumerate()}
+    started = time.monotonic()
+    code = main(
+        [
+            "--run",
+            "eager",
+            "--out",
+            str(tmp_path / "out"),
+            "--steps",
+            "10",
+            "--set",
+            f"data.cache_dir={cache_dir}",
+            *FAST,
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "error: worker 0 failed" in captured.err
+    assert "Traceback" in captured.err and "RuntimeError: injected failure in a worker" in captured.err
+    assert time.monotonic() - started < 120
+    leftover = [t for t in threading.enumerate() if t.name.startswith("worker-") and t.is_alive()]
+    assert leftover == [] and {t.name for t in threading.enumerate()} <= before | {"MainThread"}
+
+
+def test_compiled_run_prints_the_story_line(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    result = run_trainer(
+        "--run",
+        "nographs",
+        "--out",
+        str(out),
+        "--steps",
+        "3",
+        "--set",
+        f"data.cache_dir={cache_dir}",
+        *FAST,
+        timeout=500,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "drafter on cpu: compiling forward (cudagraphs=False)" in result.stdout.splitlines()
+    assert result.stdout.splitlines()[-1].startswith("done: step 3, tau ")
