@@ -164,7 +164,8 @@ def test_no_secret_in_any_output_log_cache_or_artifact(node: RealHostNode) -> No
                 leaks.append(str(path))
     assert scanned > 10, f"only {scanned} files scanned"
     assert not leaks, f"the token secret appears in {leaks}"
-    assert (node.work_dir / "runner").is_dir() and list((node.work_dir / "runner").rglob("job_events/*.json"))
+    runner_events = list((node.work_dir / "state" / "runner").rglob("job_events/*.json"))
+    assert runner_events, "no runner artifacts scanned"
 
 
 def test_report_timings(node: RealHostNode, record_property) -> None:
