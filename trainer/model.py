@@ -196,6 +196,18 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
+    def rotary(self, block_positions: torch.Tensor, context_len: int) -> tuple[torch.Tensor, ...]:
+        """RoPE tables (q_cos, q_sin, kv_cos, kv_sin): block queries at anchor+k, keys/values at
+        [0..context_len) then the block positions. Computed outside the compiled region: they
+        need no gradient, and trigonometry fused into every q/k kernel multiplies compile work."""
+        b = block_positions.shape[0]
+        ctx_positions = torch.arange(context_len, device=block_positions.device).expand(b, context_len)
+        q_cos, q_sin = rotary_cos_sin(block_positions, self.shape.head_dim, self.shape.rope_theta)
+        kv_cos, kv_sin = rotary_cos_sin(
+            torch.cat([ctx_positions, block_positions], dim=1), self.shape.head_dim, self.shape.rope_theta
+        )
+        return q_cos, q_sin, kv_cos, kv_sin
+
     def hidden(
         self,
         target_features: torch.Tensor,  # [b, L, K*H] concatenated target hidden states
@@ -204,16 +216,14 @@ class DFlashDrafter(nn.Module):
         allowed: torch.Tensor,  # [b, Q, L+Q]
     ) -> torch.Tensor:
         """Final-normed hidden states of the block positions, [b, Q, H]."""
-        b, ctx_len, _ = target_features.shape
+        rope = self.rotary(block_positions, target_features.shape[1])
+        return self.hidden_with_rotary(target_features, block_ids, *rope, allowed)
+
+    def hidden_with_rotary(self, target_features, block_ids, q_cos, q_sin, kv_cos, kv_sin, allowed):
         context = self.hidden_norm(self.fc(target_features))
         hidden = self.shared.embed(block_ids).to(context.dtype)  # the "noise embedding"
-        ctx_positions = torch.arange(ctx_len, device=block_ids.device).expand(b, ctx_len)
-        rope_q = rotary_cos_sin(block_positions, self.shape.head_dim, self.shape.rope_theta)
-        rope_kv = rotary_cos_sin(
-            torch.cat([ctx_positions, block_positions], dim=1), self.shape.head_dim, self.shape.rope_theta
-        )
         for layer in self.layers:
-            hidden = layer(hidden, context, rope_q, rope_kv, allowed)
+            hidden = layer(hidden, context, (q_cos, q_sin), (kv_cos, kv_sin), allowed)
         return self.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -231,8 +241,8 @@ class DrafterObjective(nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, target_features, block_ids, block_positions, allowed, labels, weights):
-        hidden = self.drafter.hidden(target_features, block_ids, block_positions, allowed)
+    def forward(self, target_features, block_ids, rotary, allowed, labels, weights):
+        hidden = self.drafter.hidden_with_rotary(target_features, block_ids, *rotary, allowed)
         logits = self.drafter.logits(hidden).float()
         per_token = F.cross_entropy(
             logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"

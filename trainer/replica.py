@@ -98,7 +98,7 @@ class Replica:
             loss_sum = self.forward(
                 features.to(self.drafter.fc.weight.dtype),
                 blocks.block_ids,
-                blocks.block_positions,
+                self.drafter.rotary(blocks.block_positions, input_ids.shape[1]),
                 blocks.attention_mask,
                 blocks.labels,
                 blocks.weights,

@@ -44,16 +44,17 @@ def average_gradients(replicas: list[Replica], total_weight: float) -> None:
     scale = 1.0 / max(total_weight, 1e-12)
     grads = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in r.params] for r in replicas]
     flats = [_flatten_dense_tensors(g) for g in grads]
-    if len(flats) > 1:
-        if all(f.is_cuda for f in flats) and torch.cuda.nccl.is_available(flats):
-            torch.cuda.nccl.all_reduce(flats)
-        else:
-            total = flats[0].clone()
-            for other in flats[1:]:
-                total += other.to(total.device)
-            flats = [total.to(f.device) for f in flats]
+    if len(flats) > 1 and all(f.is_cuda for f in flats) and torch.cuda.nccl.is_available(flats):
+        torch.cuda.nccl.all_reduce(flats)  # in place: every buffer now holds the sum
+        for flat in flats:
+            flat.mul_(scale)
+    else:
+        total = flats[0].clone()
+        for other in flats[1:]:
+            total += other.to(total.device)
+        total.mul_(scale)
+        flats = [total.to(f.device, copy=True) for f in flats]  # a buffer of its own per replica
     for replica, replica_grads, flat in zip(replicas, grads, flats, strict=True):
-        flat.mul_(scale)
         for param, grad in zip(replica.params, _unflatten_dense_tensors(flat, replica_grads), strict=True):
             param.grad = grad
 
@@ -74,6 +75,8 @@ class ThreadedTopology:
     def _work(self, rank: int) -> None:
         replica = self.replicas[rank]
         try:
+            if replica.device.type == "cuda":
+                torch.cuda.set_device(replica.device)  # the current device is per thread
             with self.compile_lock:
                 cudagraphs = replica.cfg.compile.uses_cudagraphs
                 if replica.cfg.compile.mode != "none":

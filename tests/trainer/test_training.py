@@ -194,3 +194,29 @@ def test_compiled_run_prints_the_story_line(tmp_path, cache_dir):
     assert result.returncode == 0, result.stderr
     assert "drafter on cpu: compiling forward (cudagraphs=False)" in result.stdout.splitlines()
     assert result.stdout.splitlines()[-1].startswith("done: step 3, tau ")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_threaded_run_on_every_gpu(tmp_path, cache_dir):
+    import torch
+
+    out = tmp_path / "run"
+    result = run_trainer(
+        "--run",
+        "nographs",
+        "--out",
+        str(out),
+        "--steps",
+        "5",
+        "--set",
+        "parallel.devices=auto",
+        "--set",
+        f"data.cache_dir={cache_dir}",
+        *FAST,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr
+    for index in range(torch.cuda.device_count()):
+        assert f"drafter on cuda:{index}: compiling forward (cudagraphs=False)" in result.stdout
+    assert result.stdout.splitlines()[-1].startswith("done: step 5, tau ")
