@@ -1,0 +1,35 @@
+"""The test node for tests/proxmox: one per session, always stopped (also when a test fails)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from realhost import RealHostNode, missing_requirements
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "proxmox: the real-host path against the test node (root, LXC, sshd)")
+
+
+@pytest.fixture(scope="session")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealHostNode]:
+    why = missing_requirements()
+    if why:
+        pytest.skip(why)
+    saved = dict(os.environ)
+    state = Path(os.environ.get("TESTNODE_STATE_PYTEST", "/run/dflash-testnode-pytest"))
+    started = RealHostNode.start(state, tmp_path_factory.mktemp("realhost"))
+    try:
+        yield started
+    finally:
+        try:
+            started.stop()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
