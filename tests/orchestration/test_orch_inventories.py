@@ -43,3 +43,24 @@ def test_proxmox_inventory_is_an_example_that_cannot_connect_anywhere() -> None:
     assert hostvars["proxmox_vmid"] == 200
     assert hostvars["preflight_gpus_required"] is True
     assert hostvars["ansible_python_interpreter"].startswith("/")
+
+
+def test_every_inventory_machine_config_is_one_the_trainer_accepts(tmp_path: Path) -> None:
+    # What the workspace role templates into machine.yml must pass the trainer's own checks
+    # (a device name like plain "cuda" would only fail on the host, at launch).
+    import yaml
+
+    from trainer.config import ConfigError, load_config
+
+    for inventory in ("local", "gpu", "proxmox"):
+        machine = host_vars(inventory).get("trainer_machine", {})
+        path = tmp_path / f"{inventory}.yml"
+        path.write_text(yaml.safe_dump(machine))
+        try:
+            cfg = load_config("nographs", machine_config=str(path))
+        except ConfigError as error:
+            raise AssertionError(f"inventory/{inventory}: {error.problems}") from None
+        spec = cfg.parallel.devices
+        assert spec in ("auto", "cpu") or all(name.strip().startswith("cuda:") for name in spec.split(",")), (
+            f"inventory/{inventory}: parallel.devices={spec!r}"
+        )

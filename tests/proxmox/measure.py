@@ -29,10 +29,11 @@ def main() -> int:
         rows.append(("test node start (template cached)", time.monotonic() - started, ""))
         try:
             for label, playbook, extravars in (
-                    ("provision from nothing", "provision.yml", {}),
-                    ("provision again", "provision.yml", {}),
-                    ("launch nographs through pct_remote", "launch.yml", {"run": "nographs"}),
-                    ("stop (checkpoint)", "stop.yml", {})):
+                ("provision from nothing", "provision.yml", {}),
+                ("provision again", "provision.yml", {}),
+                ("launch nographs through pct_remote", "launch.yml", {"run": "nographs"}),
+                ("stop (checkpoint)", "stop.yml", {}),
+            ):
                 result = node.play(playbook, extravars=extravars)
                 if not result.ok:
                     problems = "\n".join(result.failure_messages())

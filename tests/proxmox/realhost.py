@@ -65,8 +65,11 @@ class PlayResult:
         return stats[-1]["event_data"].get("artifact_data", {}) if stats else {}
 
     def failure_messages(self) -> list[str]:
-        return [str(e["event_data"]["res"].get("msg", "")) for e in self.events
-                if e.get("event") == "runner_on_failed" and not e["event_data"].get("ignore_errors")]
+        return [
+            str(e["event_data"]["res"].get("msg", ""))
+            for e in self.events
+            if e.get("event") == "runner_on_failed" and not e["event_data"].get("ignore_errors")
+        ]
 
 
 @dataclass
@@ -82,14 +85,21 @@ class RealHostNode:
     @classmethod
     def start(cls, state_dir: Path, work_dir: Path) -> RealHostNode:
         secret = "made-up-" + secrets.token_hex(16)
-        os.environ.update(PROXMOX_USER="root@pam", PROXMOX_TOKEN_ID="dflash", PROXMOX_TOKEN_SECRET=secret,
-                          TESTNODE_STATE=str(state_dir))
+        os.environ.update(
+            PROXMOX_USER="root@pam",
+            PROXMOX_TOKEN_ID="dflash",
+            PROXMOX_TOKEN_SECRET=secret,
+            TESTNODE_STATE=str(state_dir),
+        )
         os.environ.pop("PROXMOX_PASSWORD", None)
         node = cls(state_dir=state_dir, work_dir=work_dir, token_secret=secret)
         node.testnode("start")
         node.info = json.loads((state_dir / "testnode.json").read_text())
-        os.environ.update(PROXMOX_HOST=f"{node.info['api_host']}:{node.info['api_port']}",
-                          REQUESTS_CA_BUNDLE=node.info["cafile"], PROXMOX_VALIDATE_CERTS="true")
+        os.environ.update(
+            PROXMOX_HOST=f"{node.info['api_host']}:{node.info['api_port']}",
+            REQUESTS_CA_BUNDLE=node.info["cafile"],
+            PROXMOX_VALIDATE_CERTS="true",
+        )
         # ansible-runner runs ansible-playbook from PATH: the one next to this interpreter.
         os.environ["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
         # Controller state of these runs (fact cache, run ledger) stays in the test's folder.
@@ -101,8 +111,13 @@ class RealHostNode:
         self.testnode("stop")
 
     def testnode(self, *args: str) -> str:
-        proc = subprocess.run([sys.executable, str(TESTNODE), "--state-dir", str(self.state_dir), *args],
-                              capture_output=True, text=True, timeout=900, check=False)
+        proc = subprocess.run(
+            [sys.executable, str(TESTNODE), "--state-dir", str(self.state_dir), *args],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"testnode {' '.join(args)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
         return proc.stdout
@@ -110,6 +125,7 @@ class RealHostNode:
     def control(self, request: dict[str, Any]) -> Any:
         sys.path.insert(0, str(TESTNODE.parent))
         from testnode import control
+
         return control(self.state_dir, request)
 
     def api_state(self) -> dict[str, Any]:
@@ -122,13 +138,34 @@ class RealHostNode:
     def pct(self, *args: str) -> subprocess.CompletedProcess[str]:
         """Run pct on the node over its sshd (the way the roles reach it)."""
         return subprocess.run(
-            ["ssh", "-i", self.info["ssh_key"], "-p", str(self.info["ssh_port"]), "-o", "IdentitiesOnly=yes",
-             "-o", f"UserKnownHostsFile={self.state_dir / 'known_hosts'}", "-o", "BatchMode=yes",
-             f"root@{self.info['ssh_host']}", shlex.join(["pct", *args])],
-            capture_output=True, text=True, timeout=120, check=False)
+            [
+                "ssh",
+                "-i",
+                self.info["ssh_key"],
+                "-p",
+                str(self.info["ssh_port"]),
+                "-o",
+                "IdentitiesOnly=yes",
+                "-o",
+                f"UserKnownHostsFile={self.state_dir / 'known_hosts'}",
+                "-o",
+                "BatchMode=yes",
+                f"root@{self.info['ssh_host']}",
+                shlex.join(["pct", *args]),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
 
-    def play(self, playbook: str, *cmdline: str, extravars: dict[str, Any] | None = None,
-             env: dict[str, str | None] | None = None) -> PlayResult:
+    def play(
+        self,
+        playbook: str,
+        *cmdline: str,
+        extravars: dict[str, Any] | None = None,
+        env: dict[str, str | None] | None = None,
+    ) -> PlayResult:
         """Run playbooks/<playbook> on the test inventory through dflashctl (ansible-runner), as the
         product does; env entries set (or, None, unset) variables of the controller for this run."""
         self.runs += 1
@@ -163,14 +200,21 @@ class RealHostNode:
 def run_with_cmdline(settings: Settings, playbook: str, extravars: dict[str, Any], cmdline: str) -> Any:
     """dflashctl's run with extra ansible-playbook options (--check), which its API does not take."""
     from dflashctl.api import read_events
+
     private = settings.state_dir / "runner"
     private.mkdir(parents=True, exist_ok=True)
     runner = ansible_runner.run(
-        private_data_dir=str(private), project_dir=str(settings.repo),
-        playbook=str(settings.repo / "playbooks" / playbook), inventory=str(settings.inventory),
-        extravars={"dflash_state_dir": str(settings.state_dir), **extravars}, cmdline=cmdline,
+        private_data_dir=str(private),
+        project_dir=str(settings.repo),
+        playbook=str(settings.repo / "playbooks" / playbook),
+        inventory=str(settings.inventory),
+        extravars={"dflash_state_dir": str(settings.state_dir), **extravars},
+        cmdline=cmdline,
         envvars={"ANSIBLE_CONFIG": str(settings.repo / "ansible.cfg")},
-        fact_cache=str(settings.state_dir / "facts"), fact_cache_type="jsonfile",
-        suppress_env_files=True, quiet=True)
+        fact_cache=str(settings.state_dir / "facts"),
+        fact_cache_type="jsonfile",
+        suppress_env_files=True,
+        quiet=True,
+    )
     scrub_command_artifact(Path(runner.config.artifact_dir))
     return read_events(playbook, runner)

@@ -36,8 +36,9 @@ def test_missing_secret_fails_first_naming_the_variable(node: RealHostNode) -> N
 def test_wrong_token_is_refused_and_changes_nothing(node: RealHostNode) -> None:
     before = node.api_state()
     result = node.play("provision.yml", env={"PROXMOX_TOKEN_SECRET": "made-up-but-wrong"})
-    assert_failed_clearly(result, "did not accept root@pam!dflash", "authentication failure",
-                          "PROXMOX_TOKEN_SECRET")
+    assert_failed_clearly(
+        result, "did not accept root@pam!dflash", "authentication failure", "PROXMOX_TOKEN_SECRET"
+    )
     assert node.api_state() == before
 
 
@@ -54,8 +55,9 @@ def test_offline_node_is_named_and_changes_nothing(node: RealHostNode) -> None:
 
 def test_create_task_error_is_reported_and_leaves_no_container(node: RealHostNode) -> None:
     before = node.api_state()
-    message = ("unable to create CT 200 - rbd error: rbd: couldn't connect to the cluster! "
-               "(Connection timed out)")
+    message = (
+        "unable to create CT 200 - rbd error: rbd: couldn't connect to the cluster! (Connection timed out)"
+    )
     node.control({"op": "fail_task", "type": "vzcreate", "message": message})
     try:
         # community.proxmox waits its whole timeout on a task that ended in an error: keep it short.
@@ -87,8 +89,9 @@ def test_provision_from_nothing_then_no_change(node: RealHostNode) -> None:
     assert re.search(r"^dev9: /dev/nvidia-uvm,mode=0666$", config, re.M), config
     assert re.search(r"^mp1: .*/host/ct200-workspace,mp=/workspace$", config, re.M), config
     # The container sees what was passed through: the GPUs (device numbers read on the node) and the folders.
-    seen = node.pct("exec", VMID, "--", "sh", "-c",
-                    "stat -c '%n %t' /dev/nvidia0 /dev/nvidia-uvm; ls -d /data")
+    seen = node.pct(
+        "exec", VMID, "--", "sh", "-c", "stat -c '%n %t' /dev/nvidia0 /dev/nvidia-uvm; ls -d /data"
+    )
     assert seen.returncode == 0, seen.stderr
     assert f"/dev/nvidia-uvm {node.info['uvm_major']:x}" in seen.stdout
     second = node.play("provision.yml")
@@ -154,8 +157,11 @@ def test_no_secret_in_any_output_log_cache_or_artifact(node: RealHostNode) -> No
     places = [node.work_dir, node.state_dir / "node.log", node.state_dir / "host"]
     scanned, leaks = 0, []
     for place in places:
-        files = [place] if place.is_file() else \
-            [p for p in place.rglob("*") if p.is_file() and not p.is_symlink()]
+        files = (
+            [place]
+            if place.is_file()
+            else [p for p in place.rglob("*") if p.is_file() and not p.is_symlink()]
+        )
         for path in files:
             if ".venv" in path.parts:
                 continue

@@ -60,6 +60,7 @@ class NodePve(FakePve):
                     await asyncio.to_thread(self._undo_create, int(tid))
                 raise
             return note
+
         return await super().task(node, ttype, tid, user, real_body, vm=vm, lock=lock, log=log)
 
     def _undo_create(self, vmid: int) -> None:
@@ -104,15 +105,23 @@ class NodePve(FakePve):
             return None
         if op == "power":
             action = request["action"]
-            handler = {"start": self._lxc_start, "stop": self._lxc_stop, "shutdown": self._lxc_shutdown,
-                       "reboot": self._lxc_reboot}[action]
+            handler = {
+                "start": self._lxc_start,
+                "stop": self._lxc_stop,
+                "shutdown": self._lxc_shutdown,
+                "reboot": self._lxc_reboot,
+            }[action]
             upid = await handler(ROOT, values)
             return await self._wait_task(upid)
         if op == "state":
-            return {"nodes": self.nodes, "tasks": [{k: t.get(k) for k in ("type", "id", "user", "exitstatus")}
-                                                   for t in self.tasklog],
-                    "cts": {ct.vmid: {"status": ct.status, "config": ct.config, "pending": ct.pending}
-                            for ct in self.cts}}
+            return {
+                "nodes": self.nodes,
+                "tasks": [{k: t.get(k) for k in ("type", "id", "user", "exitstatus")} for t in self.tasklog],
+                "cts": {
+                    ct.vmid: {"status": ct.status, "config": ct.config, "pending": ct.pending}
+                    for ct in self.cts
+                },
+            }
         if op == "node_offline":
             self.set_node_offline(request.get("node", NODE), bool(request.get("offline", True)))
             return None
@@ -160,6 +169,7 @@ async def serve_control(pve: NodePve, path: Path) -> asyncio.AbstractServer:
             await writer.drain()
         finally:
             writer.close()
+
     if path.exists():
         path.unlink()
     server = await asyncio.start_unix_server(handle, path=str(path))
@@ -169,9 +179,13 @@ async def serve_control(pve: NodePve, path: Path) -> asyncio.AbstractServer:
 
 async def main_async(args: argparse.Namespace) -> None:
     state = Path(args.state_dir)
-    lxc = LxcNode(lxcpath=state / "lxc", templates=Path(args.templates), gpu_state_dir=state / "gpu",
-                  nvidia_smi=Path(__file__).resolve().parent / "nvidia-smi",
-                  extra_binds=tuple(tuple(b.split(":", 1)) for b in args.bind))
+    lxc = LxcNode(
+        lxcpath=state / "lxc",
+        templates=Path(args.templates),
+        gpu_state_dir=state / "gpu",
+        nvidia_smi=Path(__file__).resolve().parent / "nvidia-smi",
+        extra_binds=tuple(tuple(b.split(":", 1)) for b in args.bind),
+    )
     password = os.environ["TESTNODE_PVE_PASSWORD"]
     pve = NodePve(lxc, user=ROOT, password=password, host=args.host, port=args.port)
     # Tasks run in the background as on PVE (the request returns the UPID at once; LXC work takes

@@ -124,8 +124,11 @@ class LxcNode:
         ]
         for host, inside in self.extra_binds:
             lines.append(f"lxc.mount.entry = {host} {inside.lstrip('/')} none ro,bind,create=dir 0 0")
-        cgroup_key = "lxc.cgroup.devices.allow" if Path("/sys/fs/cgroup/devices").is_dir() else \
-            "lxc.cgroup2.devices.allow"
+        cgroup_key = (
+            "lxc.cgroup.devices.allow"
+            if Path("/sys/fs/cgroup/devices").is_dir()
+            else "lxc.cgroup2.devices.allow"
+        )
         for key in sorted(config, key=_natural):
             value = str(config[key])
             if re.fullmatch(r"mp\d+", key):
@@ -164,9 +167,22 @@ class LxcNode:
 
     def attach_argv(self, vmid: int, command: list[str]) -> list[str]:
         """What `pct exec <vmid> -- command` runs: lxc-attach with a clean environment, as pct does."""
-        return ["lxc-attach", "-P", str(self.lxcpath), "-n", str(vmid), "--clear-env", "--keep-var", "TERM",
-                "--set-var", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                "--set-var", "HOME=/root", "--", *command]
+        return [
+            "lxc-attach",
+            "-P",
+            str(self.lxcpath),
+            "-n",
+            str(vmid),
+            "--clear-env",
+            "--keep-var",
+            "TERM",
+            "--set-var",
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "--set-var",
+            "HOME=/root",
+            "--",
+            *command,
+        ]
 
 
 def device_numbers(path: str) -> tuple[int, int]:
@@ -176,6 +192,7 @@ def device_numbers(path: str) -> tuple[int, int]:
     except FileNotFoundError:
         raise NodeError(f"Device {path} does not exist") from None
     import stat as stat_mod
+
     if not stat_mod.S_ISCHR(st.st_mode):
         raise NodeError(f"{path} is not a character device")
     return os.major(st.st_rdev), os.minor(st.st_rdev)

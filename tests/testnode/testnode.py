@@ -51,6 +51,7 @@ PR_SET_CHILD_SUBREAPER = 36
 
 # ------------------------------------------------------------------ helpers
 
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((LOOPBACK, 0))
@@ -89,8 +90,9 @@ def end_process(pid: int, timeout: float = STOP_TIMEOUT_S) -> None:
 
 
 def lxc_node(state: Path) -> LxcNode:
-    return LxcNode(lxcpath=state / "lxc", templates=CACHE, gpu_state_dir=state / "gpu",
-                   nvidia_smi=HERE / "nvidia-smi")
+    return LxcNode(
+        lxcpath=state / "lxc", templates=CACHE, gpu_state_dir=state / "gpu", nvidia_smi=HERE / "nvidia-smi"
+    )
 
 
 def control(state: Path, request: dict[str, Any]) -> Any:
@@ -113,6 +115,7 @@ def control(state: Path, request: dict[str, Any]) -> Any:
 
 # ----------------------------------------------------------------- template
 
+
 def ensure_template() -> Path:
     """The container template: a debootstrap Debian 12 with python3, built once into the cache."""
     tarball = CACHE / TEMPLATE
@@ -126,28 +129,43 @@ def ensure_template() -> Path:
         # An older cached rootfs: add what the package list gained, without a new debootstrap.
         subprocess.run(["chroot", str(rootfs), "apt-get", "update", "-qq"], check=True)
         packages = ROOTFS_PACKAGES.split(",")
-        subprocess.run(["chroot", str(rootfs), "apt-get", "install", "-y", "-qq", *packages],
-                       check=True, stdout=subprocess.DEVNULL,
-                       env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+        subprocess.run(
+            ["chroot", str(rootfs), "apt-get", "install", "-y", "-qq", *packages],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"),
+        )
         subprocess.run(["chroot", str(rootfs), "apt-get", "clean"], check=True)
         marker.write_text(ROOTFS_PACKAGES)
     if not (rootfs / "usr/bin/python3").exists():
         building = CACHE / f"rootfs-{SUITE}.partial"
         shutil.rmtree(building, ignore_errors=True)
         print(f"testnode: debootstrap {SUITE} into {building} (first run only)", file=sys.stderr)
-        subprocess.run(["debootstrap", "--variant=minbase", f"--include={ROOTFS_PACKAGES}", SUITE,
-                        str(building), MIRROR], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={ROOTFS_PACKAGES}",
+                SUITE,
+                str(building),
+                MIRROR,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         (building / ".testnode-packages").write_text(ROOTFS_PACKAGES)
         building.rename(rootfs)
     partial = tarball.with_suffix(".partial")
-    subprocess.run(["tar", "-C", str(rootfs), "--numeric-owner", "-I", "gzip -1", "-cf", str(partial), "."],
-                   check=True)
+    subprocess.run(
+        ["tar", "-C", str(rootfs), "--numeric-owner", "-I", "gzip -1", "-cf", str(partial), "."], check=True
+    )
     partial.rename(tarball)
     packed_with.write_text(ROOTFS_PACKAGES)
     return tarball
 
 
 # --------------------------------------------------------------- node init
+
 
 def make_node_dev(state: Path, uvm_major: int, gpu_count: int) -> None:
     """A private /dev for the node namespace: the host's nodes plus NVIDIA ones (no driver behind them).
@@ -157,8 +175,9 @@ def make_node_dev(state: Path, uvm_major: int, gpu_count: int) -> None:
     """
     newdev = state / "dev"
     newdev.mkdir(exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755,nosuid", "testnode-dev", str(newdev)],
-                   check=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "mode=0755,nosuid", "testnode-dev", str(newdev)], check=True
+    )
     for entry in os.scandir("/dev"):
         target = newdev / entry.name
         if entry.is_symlink():
@@ -198,16 +217,45 @@ def node_init(args: argparse.Namespace) -> int:
     # Containers' LXC monitors daemonize; as subreaper this process reaps them instead of leaving
     # zombies with the host's init.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    subprocess.run(["mount", "-t", "overlay", "testnode-sbin", "-o",
-                    f"lowerdir={state / 'sbin'}:/usr/sbin", "/usr/sbin"], check=True)
+    subprocess.run(
+        [
+            "mount",
+            "-t",
+            "overlay",
+            "testnode-sbin",
+            "-o",
+            f"lowerdir={state / 'sbin'}:/usr/sbin",
+            "/usr/sbin",
+        ],
+        check=True,
+    )
     make_node_dev(state, info["uvm_major"], info["gpu_count"])
     log = open(state / "node.log", "ab")  # noqa: SIM115 - open for the children's whole life
     api = subprocess.Popen(
-        [sys.executable, str(HERE / "fakepve_node.py"), "--state-dir", str(state), "--templates", str(CACHE),
-         "--host", LOOPBACK, "--port", str(info["api_port"]), "--bind", f"{WHEELS}:{WHEELS}"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(state / "sshd_config")],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        [
+            sys.executable,
+            str(HERE / "fakepve_node.py"),
+            "--state-dir",
+            str(state),
+            "--templates",
+            str(CACHE),
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(info["api_port"]),
+            "--bind",
+            f"{WHEELS}:{WHEELS}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    sshd = subprocess.Popen(
+        ["/usr/sbin/sshd", "-D", "-e", "-f", str(state / "sshd_config")],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     (state / "children.json").write_text(json.dumps({"api": api.pid, "sshd": sshd.pid}))
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -223,11 +271,38 @@ def node_init(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ commands
 
+
 def write_sshd(state: Path, port: int) -> None:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "testnode-host",
-                    "-f", str(state / "ssh_host_ed25519_key")], check=True)
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "testnode-client",
-                    "-f", str(state / "id_ed25519")], check=True)
+    subprocess.run(
+        [
+            "ssh-keygen",
+            "-q",
+            "-t",
+            "ed25519",
+            "-N",
+            "",
+            "-C",
+            "testnode-host",
+            "-f",
+            str(state / "ssh_host_ed25519_key"),
+        ],
+        check=True,
+    )
+    subprocess.run(
+        [
+            "ssh-keygen",
+            "-q",
+            "-t",
+            "ed25519",
+            "-N",
+            "",
+            "-C",
+            "testnode-client",
+            "-f",
+            str(state / "id_ed25519"),
+        ],
+        check=True,
+    )
     shutil.copyfile(state / "id_ed25519.pub", state / "authorized_keys")
     host_key = (state / "ssh_host_ed25519_key.pub").read_text().split()[:2]
     (state / "known_hosts").write_text(f"[{LOOPBACK}]:{port} {' '.join(host_key)}\n")
@@ -237,15 +312,17 @@ def write_sshd(state: Path, port: int) -> None:
         f"AuthorizedKeysFile {state / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
         f"PidFile {state / 'sshd.pid'}\nMaxSessions 50\nMaxStartups 50\nLogLevel ERROR\n"
-        "Subsystem sftp internal-sftp\n")
+        "Subsystem sftp internal-sftp\n"
+    )
 
 
 def write_pct_wrapper(state: Path) -> None:
     sbin = state / "sbin"
     sbin.mkdir()
     wrapper = sbin / "pct"
-    wrapper.write_text(f"#!/bin/sh\nTESTNODE_HOME={HERE} TESTNODE_STATE={state} "
-                       f"exec /usr/bin/python3 {HERE / 'pct'} \"$@\"\n")
+    wrapper.write_text(
+        f'#!/bin/sh\nTESTNODE_HOME={HERE} TESTNODE_STATE={state} exec /usr/bin/python3 {HERE / "pct"} "$@"\n'
+    )
     wrapper.chmod(0o755)
 
 
@@ -253,13 +330,20 @@ def write_gpus(state: Path, count: int, busy: list[int]) -> None:
     gpus, apps = [], []
     for index in range(count):
         uuid = f"GPU-7590547c-d9a8-b760-1c4e-93ce4dbbb{index:03x}"
-        gpu: dict[str, Any] = {"index": index, "uuid": uuid, "name": "NVIDIA H200",
-                               "memory_total_mib": 143771, "memory_used_mib": 0, "utilization_gpu": 0}
+        gpu: dict[str, Any] = {
+            "index": index,
+            "uuid": uuid,
+            "name": "NVIDIA H200",
+            "memory_total_mib": 143771,
+            "memory_used_mib": 0,
+            "utilization_gpu": 0,
+        }
         if index in busy:
             # The reference capture: one python3 process holding ~21 GB and running matmuls.
             gpu.update(memory_used_mib=21363, utilization_gpu=100)
-            apps.append({"pid": 425 + index, "gpu_uuid": uuid, "process_name": "python3",
-                         "used_memory_mib": 21354})
+            apps.append(
+                {"pid": 425 + index, "gpu_uuid": uuid, "process_name": "python3", "used_memory_mib": 21354}
+            )
         gpus.append(gpu)
     target = state / "gpu" / "state.json"
     partial = target.with_suffix(".partial")
@@ -278,8 +362,9 @@ def cmd_start(args: argparse.Namespace) -> int:
     token_id = os.environ.get("PROXMOX_TOKEN_ID")
     env = dict(os.environ, TESTNODE_PVE_PASSWORD=password)
     if token_id and os.environ.get("PROXMOX_TOKEN_SECRET"):
-        env.update(TESTNODE_TOKEN_ID=f"{user}!{token_id}",
-                   TESTNODE_TOKEN_SECRET=os.environ["PROXMOX_TOKEN_SECRET"])
+        env.update(
+            TESTNODE_TOKEN_ID=f"{user}!{token_id}", TESTNODE_TOKEN_SECRET=os.environ["PROXMOX_TOKEN_SECRET"]
+        )
     state.mkdir(parents=True, mode=0o700)
     try:
         (state / "lxc").mkdir()
@@ -287,25 +372,54 @@ def cmd_start(args: argparse.Namespace) -> int:
         # Host folders for the CT's mount points: a dataset folder (must exist) and room for the workspace.
         (state / "host" / "datasets").mkdir(parents=True)
         write_gpus(state, args.gpus, [])
-        info = {"state_dir": str(state), "api_host": LOOPBACK, "api_port": free_port(), "ssh_host": LOOPBACK,
-                "ssh_port": free_port(), "ssh_user": "root", "ssh_key": str(state / "id_ed25519"),
-                "cafile": str(state / "fakepve.crt"), "node": "pve1", "storage": "local",
-                "template": f"local:vztmpl/{TEMPLATE}", "gpu_count": args.gpus, "uvm_major": args.uvm_major}
+        info = {
+            "state_dir": str(state),
+            "api_host": LOOPBACK,
+            "api_port": free_port(),
+            "ssh_host": LOOPBACK,
+            "ssh_port": free_port(),
+            "ssh_user": "root",
+            "ssh_key": str(state / "id_ed25519"),
+            "cafile": str(state / "fakepve.crt"),
+            "node": "pve1",
+            "storage": "local",
+            "template": f"local:vztmpl/{TEMPLATE}",
+            "gpu_count": args.gpus,
+            "uvm_major": args.uvm_major,
+        }
         write_sshd(state, info["ssh_port"])
         write_pct_wrapper(state)
         (state / "testnode.json").write_text(json.dumps(info, indent=1))
         with open(state / "node.log", "ab") as log:
             init = subprocess.Popen(
-                ["unshare", "--mount", "--propagation", "private", "--", sys.executable,
-                 str(HERE / "testnode.py"), "_node", "--state-dir", str(state)],
-                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+                [
+                    "unshare",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "--",
+                    sys.executable,
+                    str(HERE / "testnode.py"),
+                    "_node",
+                    "--state-dir",
+                    str(state),
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         info["init_pid"] = init.pid
         (state / "testnode.json").write_text(json.dumps(info, indent=1))
         deadline = time.monotonic() + START_TIMEOUT_S
         if not (wait_port(info["api_port"], deadline) and wait_port(info["ssh_port"], deadline)):
-            raise NodeError("the API or sshd did not come up; see " + str(state / "node.log") + ":\n"
-                            + (state / "node.log").read_text()[-2000:])
+            raise NodeError(
+                "the API or sshd did not come up; see "
+                + str(state / "node.log")
+                + ":\n"
+                + (state / "node.log").read_text()[-2000:]
+            )
     except BaseException:
         cmd_stop(args)
         raise
@@ -348,11 +462,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 3
     info = json.loads((state / "testnode.json").read_text())
     children = json.loads((state / "children.json").read_text()) if (state / "children.json").exists() else {}
-    info["processes"] = {name: {"pid": pid, "alive": alive(pid)}
-                         for name, pid in dict(children, init=info.get("init_pid")).items() if pid}
+    info["processes"] = {
+        name: {"pid": pid, "alive": alive(pid)}
+        for name, pid in dict(children, init=info.get("init_pid")).items()
+        if pid
+    }
     lxc = lxc_node(state)
-    info["containers"] = {ct.name: lxc.state(int(ct.name)) for ct in sorted((state / "lxc").iterdir())
-                          if lxc.exists(int(ct.name))}
+    info["containers"] = {
+        ct.name: lxc.state(int(ct.name))
+        for ct in sorted((state / "lxc").iterdir())
+        if lxc.exists(int(ct.name))
+    }
     info["running"] = all(p["alive"] for p in info["processes"].values())
     print(json.dumps(info, indent=1))
     return 0 if info["running"] else 1
@@ -372,8 +492,11 @@ def cmd_fault(args: argparse.Namespace) -> int:
         "node-online": {"op": "node_offline", "offline": False},
         "lock": {"op": "lock", "vmid": args.vmid, "lock": args.value or "backup"},
         "unlock": {"op": "lock", "vmid": args.vmid, "lock": None},
-        "fail-task": {"op": "fail_task", "type": args.value or "vzcreate",
-                      "message": args.message or "unable to create CT - rbd error: connection timed out"},
+        "fail-task": {
+            "op": "fail_task",
+            "type": args.value or "vzcreate",
+            "message": args.message or "unable to create CT - rbd error: connection timed out",
+        },
         "clear": {"op": "clear_faults"},
     }
     control(state, requests[args.fault])
@@ -384,8 +507,10 @@ def cmd_env(args: argparse.Namespace) -> int:
     info = json.loads((Path(args.state_dir) / "testnode.json").read_text())
     print(f"export PROXMOX_HOST={info['api_host']}:{info['api_port']}")
     print(f"export REQUESTS_CA_BUNDLE={info['cafile']}")
-    print(f"# inventory: ansible_host={info['ssh_host']} ansible_port={info['ssh_port']} "
-          f"ansible_user={info['ssh_user']} ansible_ssh_private_key_file={info['ssh_key']}")
+    print(
+        f"# inventory: ansible_host={info['ssh_host']} ansible_port={info['ssh_port']} "
+        f"ansible_user={info['ssh_user']} ansible_ssh_private_key_file={info['ssh_key']}"
+    )
     return 0
 
 
@@ -402,16 +527,24 @@ def main() -> int:
     gpus = sub.add_parser("gpus")
     gpus.add_argument("--busy", type=int, nargs="*", default=[], help="indices of busy GPUs (none: all idle)")
     fault = sub.add_parser("fault")
-    fault.add_argument("fault",
-                       choices=["node-offline", "node-online", "lock", "unlock", "fail-task", "clear"])
+    fault.add_argument(
+        "fault", choices=["node-offline", "node-online", "lock", "unlock", "fail-task", "clear"]
+    )
     fault.add_argument("--vmid", type=int, default=200)
     fault.add_argument("--value", help="lock name, or task type for fail-task (default vzcreate)")
     fault.add_argument("--message", help="the TASK ERROR text for fail-task")
     node = sub.add_parser("_node")
     node.add_argument("--state-dir", required=True)
     args = parser.parse_args()
-    commands = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "gpus": cmd_gpus,
-                "fault": cmd_fault, "env": cmd_env, "_node": node_init}
+    commands = {
+        "start": cmd_start,
+        "stop": cmd_stop,
+        "status": cmd_status,
+        "gpus": cmd_gpus,
+        "fault": cmd_fault,
+        "env": cmd_env,
+        "_node": node_init,
+    }
     try:
         return commands[args.command](args)
     except NodeError as exc:
