@@ -5,7 +5,7 @@
 #   ./dev.sh launch [RUN]   launch a run on the local default (default RUN: nographs)
 #   ./dev.sh status         report the recorded run
 #   ./dev.sh stop           stop it (SIGTERM, checkpoint, exit)
-#   ./dev.sh test           ruff, ansible-lint (production), pytest, molecule (default)
+#   ./dev.sh test           ruff, ansible-lint (production), pytest, molecule (default, proxmox)
 #   ./dev.sh bench          launch/status timings next to the raw nohup one-liner
 #   ./dev.sh setup          only create or update .venv
 set -eu
@@ -37,6 +37,16 @@ run_tests() {
     ansible-lint --profile production
     python -m pytest -q
     molecule test -s default
+    # The real-host path (tests/testnode): root, LXC, debootstrap and sshd, which .ci/run installs.
+    reason=$(python -c 'import sys; sys.path.insert(0, "tests/proxmox"); from realhost import missing_requirements as m; print(m() or "")')
+    if [ -z "$reason" ]; then
+        tests/proxmox/run-molecule.sh
+    elif [ -n "${DFLASH_REQUIRE_TESTNODE:-}" ]; then
+        echo "error: molecule scenario proxmox cannot run: $reason" >&2
+        exit 1
+    else
+        echo "molecule scenario proxmox skipped: $reason" >&2
+    fi
 }
 
 command=${1:-}
