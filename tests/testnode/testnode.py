@@ -272,37 +272,16 @@ def node_init(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ commands
 
 
+def new_key(path: Path, comment: str) -> None:
+    """A passphrase-less ed25519 key pair made for this node only."""
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)], check=True
+    )
+
+
 def write_sshd(state: Path, port: int) -> None:
-    subprocess.run(
-        [
-            "ssh-keygen",
-            "-q",
-            "-t",
-            "ed25519",
-            "-N",
-            "",
-            "-C",
-            "testnode-host",
-            "-f",
-            str(state / "ssh_host_ed25519_key"),
-        ],
-        check=True,
-    )
-    subprocess.run(
-        [
-            "ssh-keygen",
-            "-q",
-            "-t",
-            "ed25519",
-            "-N",
-            "",
-            "-C",
-            "testnode-client",
-            "-f",
-            str(state / "id_ed25519"),
-        ],
-        check=True,
-    )
+    new_key(state / "ssh_host_ed25519_key", "testnode-host")
+    new_key(state / "id_ed25519", "testnode-client")
     shutil.copyfile(state / "id_ed25519.pub", state / "authorized_keys")
     host_key = (state / "ssh_host_ed25519_key.pub").read_text().split()[:2]
     (state / "known_hosts").write_text(f"[{LOOPBACK}]:{port} {' '.join(host_key)}\n")
