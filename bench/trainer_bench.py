@@ -1,14 +1,21 @@
-"""Trainer throughput benchmark: the real Replica and threaded topology on a Qwen3-shaped target.
+"""Trainer throughput benchmark: the real Replica and topologies on a Qwen3-shaped target.
 
     python bench/trainer_bench.py --shape 8b --gpus 1 --settings eager,nographs,max-autotune-no-cudagraphs
+    python bench/trainer_bench.py --shape 8b --gpus 1 --settings nographs,process-nographs,process-graphs
     python bench/trainer_bench.py --shape small --gpus 2          # a quick run
-    python bench/trainer_bench.py --shape tiny --gpus 1           # CPU: checks the harness only
+    python bench/trainer_bench.py --shape tiny --gpus 0           # CPU: checks the harness only
 
 Per setting it prints tokens/s (sequence tokens through the target and drafter), samples/s, model
 FLOPs utilisation, peak GPU memory and the time to first step (building the drafter replicas,
 compiling and warming up, and the first step). The target has random weights, built in memory from
 its known config (the loading code path is not what is measured here). Settings run one after the
-other in one process, so their figures are side by side; the target replicas are shared by them.
+other, so their figures are side by side. Threaded settings run in this process (one worker thread
+per GPU, the target replicas shared by them); process settings (`process-...`) run the process
+topology: this program starts torchrun with one rank per GPU (one on CPU), each rank builds its own
+target and runs the same steps on its shard of the same global batch under DDP, and rank 0 hands its
+row back. Time to first step is measured the same way in both: from building the drafter replica(s)
+to the end of the first step (start-up, compile, warm-up and the step); a process row also gives the
+ranks' whole start (interpreter, imports, target, process group) in its log.
 
 FLOPs counted per sample (matrix products only, the usual MFU convention; T context tokens,
 Q = anchors x block query positions, H hidden, I intermediate, V vocab, h/kv heads of dim d,
@@ -28,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -72,11 +80,17 @@ SHAPES = {
     "tiny": Shape(64, 6, 4, 2, 16, 192, 512, 2, 3, 8, 8, 64, 2),
 }
 SETTINGS = {
-    # setting -> (run profile, --set overrides on top of it)
+    # setting -> (run profile, --set overrides on top of it); the profile sets the topology.
     "eager": ("eager", []),
     "nographs": ("nographs", []),
     "max-autotune-no-cudagraphs": ("nographs", ["compile.mode=max-autotune-no-cudagraphs"]),
+    "process-nographs": ("process", []),
+    "process-graphs": ("graphs", []),
+    # CUDA graphs per compiled region (each drafter layer, the loss chunk) instead of one objective.
+    "process-graphs-layers": ("graphs", ["compile.scope=layers"]),
 }
+DEFAULT_SETTINGS = ("eager", "nographs", "max-autotune-no-cudagraphs")
+PROCESS_PROFILES = ("process", "graphs")  # run profiles whose run.topology is process
 
 
 def build_target(shape: Shape, device: torch.device, dtype: torch.dtype):
@@ -95,6 +109,7 @@ def build_target(shape: Shape, device: torch.device, dtype: torch.dtype):
         tie_word_embeddings=False,
     )
     config._attn_implementation = "sdpa"
+    torch.manual_seed(1234)  # the same weights in every process, so settings are comparable
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -131,13 +146,13 @@ def synchronize(devices: list[torch.device]) -> None:
             torch.cuda.synchronize(device)
 
 
-def run_setting(name, shape, devices, targets, args, out_dir) -> dict:
+def setting_config(name: str, shape: Shape, devices: list[torch.device], args):
     profile, overrides = SETTINGS[name]
     sets = [
         *overrides,
         f"train.batch_size={shape.batch}",
         f"train.seq_len={shape.seq_len}",
-        f"train.steps={args.steps + 10}",
+        f"train.steps={args.steps + args.warmup + 10}",
         f"drafter.num_layers={shape.drafter_layers}",
         f"drafter.num_context_layers={shape.context_layers}",
         f"drafter.block_size={shape.block}",
@@ -148,14 +163,67 @@ def run_setting(name, shape, devices, targets, args, out_dir) -> dict:
     ]
     if args.attention:
         sets.append(f"drafter.attention={args.attention}")
-    cfg = load_config(profile, sets=sets)
+    return load_config(profile, sets=sets + args.sets)
+
+
+def measure(name, shape, topology, devices, global_batch, started, log, args, out_dir) -> dict:
+    """Warm the topology up, take the first step, then time args.steps steps: the setting's row.
+    `started` is when building the replicas began (the start of "time to first step")."""
+    generator = torch.Generator().manual_seed(1)
+
+    def batch():
+        ids = torch.randint(0, shape.vocab - 2, (global_batch, shape.seq_len), generator=generator)
+        return ids, torch.ones_like(ids)
+
+    topology.launch()
+    if not topology.wait_ready(lambda: False):
+        raise RuntimeError("the workers stopped before they were ready")
+    log(f"replicas built, compiled and warmed up after {time.perf_counter() - started:.1f}s")
+    topology.step(*batch())
+    synchronize(devices)
+    first_step_s = time.perf_counter() - started
+    log(f"first step done after {first_step_s:.1f}s")
+    for _ in range(args.warmup):
+        topology.step(*batch())
+    synchronize(devices)
+    batches = [batch() for _ in range(args.steps)]
+    began = time.perf_counter()
+    losses = [topology.step(*b)[0] for b in batches]
+    synchronize(devices)
+    step_s = (time.perf_counter() - began) / args.steps
+    if args.profile and name == args.profile:
+        profile_steps(topology, batch, devices, out_dir / f"trace_{name}.json")
+
+    # Sorted anchors drawn uniformly from T positions see on average (T-1)/2 context keys + a block.
+    visible = (shape.seq_len - 1) / 2 + shape.block
+    flops = flops_per_sample(shape, visible)
+    per_step = global_batch * (flops["target"] + flops["drafter"])
+    gpus = global_batch // shape.batch if devices[0].type == "cuda" else 0
+    peak = max((torch.cuda.max_memory_allocated(d) for d in devices if d.type == "cuda"), default=0)
+    return {
+        "setting": name,
+        "gpus": gpus,
+        "step_s": step_s,
+        "tokens_per_s": global_batch * shape.seq_len / step_s,
+        "samples_per_s": global_batch / step_s,
+        "tflops": per_step / step_s / 1e12,
+        "mfu": per_step / step_s / (PEAK_BF16_FLOPS * max(gpus, 1)),
+        "of_790": per_step / step_s / (MATMUL_BF16_FLOPS * max(gpus, 1)),
+        "peak_gib": peak / 2**30,
+        "first_step_s": first_step_s,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
+
+
+def run_threaded(name, shape, devices, targets, args, out_dir) -> dict:
+    """A threaded setting in this process: one worker thread per device, the targets shared."""
+    cfg = setting_config(name, shape, devices, args)
     for device in devices:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-    log_lines: list[str] = []
 
     def log(line: str) -> None:
-        log_lines.append(line)
         print(f"  [{name}] {line}", flush=True)
 
     started = time.perf_counter()
@@ -168,53 +236,78 @@ def run_setting(name, shape, devices, targets, args, out_dir) -> dict:
     for replica in replicas[1:]:
         replica.drafter.load_state_dict(replicas[0].drafter.state_dict())
     topology = ThreadedTopology(replicas, cfg.parallel.step_timeout_s, log)
-    generator = torch.Generator().manual_seed(1)
-    global_batch = shape.batch * len(devices)
-
-    def batch():
-        ids = torch.randint(0, shape.vocab - 2, (global_batch, shape.seq_len), generator=generator)
-        return ids, torch.ones_like(ids)
-
     try:
-        topology.start(lambda: False)
-        log(f"replicas built, compiled and warmed up after {time.perf_counter() - started:.1f}s")
-        topology.step(*batch())
-        synchronize(devices)
-        first_step_s = time.perf_counter() - started
-        log(f"first step done after {first_step_s:.1f}s")
-        for _ in range(args.warmup):
-            topology.step(*batch())
-        synchronize(devices)
-        batches = [batch() for _ in range(args.steps)]
-        began = time.perf_counter()
-        losses = [topology.step(*b)[0] for b in batches]
-        synchronize(devices)
-        step_s = (time.perf_counter() - began) / args.steps
-        if args.profile and name == args.profile:
-            profile_steps(topology, batch, devices, out_dir / f"trace_{name}.json")
+        global_batch = shape.batch * len(devices)
+        return measure(name, shape, topology, devices, global_batch, started, log, args, out_dir)
     finally:
         topology.close()
 
-    # Sorted anchors drawn uniformly from T positions see on average (T-1)/2 context keys + a block.
-    visible = (shape.seq_len - 1) / 2 + shape.block
-    flops = flops_per_sample(shape, visible)
-    per_step = global_batch * (flops["target"] + flops["drafter"])
-    peak = max((torch.cuda.max_memory_allocated(d) for d in devices if d.type == "cuda"), default=0)
-    return {
-        "setting": name,
-        "gpus": len(devices),
-        "step_s": step_s,
-        "tokens_per_s": global_batch * shape.seq_len / step_s,
-        "samples_per_s": global_batch / step_s,
-        "tflops": per_step / step_s / 1e12,
-        "mfu": per_step / step_s / (PEAK_BF16_FLOPS * len(devices)),
-        "of_790": per_step / step_s / (MATMUL_BF16_FLOPS * len(devices)),
-        "peak_gib": peak / 2**30,
-        "first_step_s": first_step_s,
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-        "compiled_lines": [line for line in log_lines if "compiling" in line],
-    }
+
+def run_process(name, shape, args, out_dir) -> dict:
+    """A process setting: torchrun starts one rank per GPU (one on CPU) running this program with
+    --worker; rank 0 writes its row to a file, read back here."""
+    nproc = max(args.gpus, 1)
+    row_file = out_dir / f".bench_row_{name}.json"
+    row_file.unlink(missing_ok=True)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "--max-restarts=0", __file__, "--worker", name, "--worker-row", str(row_file),
+        "--shape", args.shape, "--gpus", str(args.gpus), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--profile", args.profile,
+    ]  # fmt: skip
+    if args.attention:
+        command += ["--attention", args.attention]
+    for setting in args.sets:
+        command += ["--set", setting]
+    began = time.perf_counter()
+    result = subprocess.run(command, check=False)
+    if result.returncode != 0 or not row_file.exists():
+        raise RuntimeError(f"setting {name}: torchrun exited {result.returncode} without a row")
+    row = json.loads(row_file.read_text())
+    row_file.unlink()
+    row["process_wall_s"] = time.perf_counter() - began
+    return row
+
+
+def worker(name: str, shape: Shape, args, out_dir: Path, row_file: Path) -> int:
+    """One rank of a process setting (started by run_process through torchrun)."""
+    from trainer.process import ProcessTopology, ProcessWorld
+
+    rank_began = time.perf_counter()
+    devices = [torch.device(f"cuda:{i}") for i in range(args.gpus)] or [torch.device("cpu")]
+    cfg = setting_config(name, shape, devices, args)
+    world = ProcessWorld(devices, cfg.parallel.step_timeout_s)
+
+    def log(line: str) -> None:
+        if world.is_lead:
+            print(f"  [{name}] {line}", flush=True)
+
+    try:
+        device = world.device
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+        target = build_target(shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        synchronize([device])
+        built_s = time.perf_counter() - rank_began
+        log(f"{world.world_size} rank(s) ({world.backend}); target built {built_s:.1f}s after rank start")
+        started = time.perf_counter()
+        torch.manual_seed(0)
+        layer_ids = target_layer_ids(shape.layers, shape.context_layers)
+        replica = Replica(cfg, device, target, layer_ids, mask_id=shape.vocab - 1, rank=world.rank)
+        topology = ProcessTopology(replica, world, log)
+        global_batch = shape.batch * world.world_size
+        row = measure(name, shape, topology, [device], global_batch, started, log, args, out_dir)
+        peaks = world.gather(row["peak_gib"])
+        row["peak_gib"] = max(peaks)
+        if device.type == "cpu":
+            row["gpus"] = 0
+        whole = started - rank_began + row["first_step_s"]
+        log(f"rank start (interpreter, imports, target, process group) to first step: {whole:.1f}s")
+        if world.is_lead:
+            row_file.write_text(json.dumps(row))
+        return 0
+    finally:
+        world.close()
 
 
 def profile_steps(topology, batch, devices, trace_path: Path) -> None:
@@ -243,44 +336,61 @@ def format_row(r: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
-    parser.add_argument("--gpus", type=int, default=1, help="threaded workers, one per GPU (0: CPU)")
+    parser.add_argument("--gpus", type=int, default=1, help="threaded workers or torchrun ranks (0: CPU)")
     parser.add_argument(
-        "--settings", default=",".join(SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}"
+        "--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}"
     )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per setting")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
     parser.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="", help="override")
     parser.add_argument("--profile", default="", help="profile two steps of this setting")
-    parser.add_argument("--json", default="", help="write the rows here")
+    parser.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+        help="a trainer setting for every setting (after its own), e.g. compile.mode=none",
+    )  # fmt: skip
+    parser.add_argument("--json", default="", help="write the rows here (rewritten after each setting)")
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)  # a torchrun rank (run_process)
+    parser.add_argument("--worker-row", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    unknown = [s for s in settings if s not in SETTINGS]
+    unknown = [s for s in settings + ([args.worker] if args.worker else []) if s not in SETTINGS]
     if unknown:
         parser.error(f"unknown setting(s) {unknown}; known: {', '.join(SETTINGS)}")
+    if args.gpus < 0:
+        parser.error(f"--gpus must be 0 (CPU) or more, got {args.gpus}")
+    if args.gpus > 0 and torch.cuda.device_count() < args.gpus:
+        parser.error(f"--gpus {args.gpus}: torch sees {torch.cuda.device_count()} CUDA device(s)")
     shape = SHAPES[args.shape]
+    out_dir = Path(os.environ.get("OUT", ".")).resolve()
+    if args.worker:
+        return worker(args.worker, shape, args, out_dir, Path(args.worker_row))
+
     if args.gpus > 0:
-        if torch.cuda.device_count() < args.gpus:
-            parser.error(f"--gpus {args.gpus}: torch sees {torch.cuda.device_count()} CUDA device(s)")
         devices = [torch.device(f"cuda:{i}") for i in range(args.gpus)]
         dtype = torch.bfloat16
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         devices, dtype = [torch.device("cpu")], torch.float32
-    out_dir = Path(os.environ.get("OUT", ".")).resolve()
-
     print(f"shape {args.shape}: {shape}", flush=True)
     print(f"torch {torch.__version__}, devices {', '.join(map(str, devices))}", flush=True)
-    began = time.perf_counter()
-    targets = [build_target(shape, device, dtype) for device in devices]
-    synchronize(devices)
-    print(f"targets built in {time.perf_counter() - began:.1f}s", flush=True)
+    targets = []
+    if any(SETTINGS[name][0] not in PROCESS_PROFILES for name in settings):
+        began = time.perf_counter()
+        targets = [build_target(shape, device, dtype) for device in devices]
+        synchronize(devices)
+        print(f"targets built in {time.perf_counter() - began:.1f}s", flush=True)
 
     rows = []
     for name in settings:
         print(f"setting {name} ...", flush=True)
-        rows.append(run_setting(name, shape, devices, targets, args, out_dir))
+        if SETTINGS[name][0] in PROCESS_PROFILES:
+            rows.append(run_process(name, shape, args, out_dir))
+        else:
+            rows.append(run_threaded(name, shape, devices, targets, args, out_dir))
         print("  " + format_row(rows[-1]), flush=True)
+        if args.json:  # after every setting: a run cut short keeps the rows it finished
+            Path(args.json).write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1))
 
     header = (
         f"{'setting':28} {'gpus':>4} {'step s':>8} {'tok/s':>9} {'samples/s':>9} {'TFLOP/s':>8} "
@@ -289,8 +399,6 @@ def main() -> int:
     print("\n" + header)
     for r in rows:
         print(format_row(r))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1))
     return 0
 
 

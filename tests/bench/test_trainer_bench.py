@@ -1,0 +1,41 @@
+"""The benchmark's harness on CPU (tiny shape, no compile): both topologies produce a full row.
+
+Figures come from GPU runs (README, Performance); this only keeps the program runnable, which a
+rename in the topology API once broke without any test noticing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_threaded_and_process_settings_give_rows(tmp_path: Path) -> None:
+    rows_file = tmp_path / "rows.json"
+    result = subprocess.run(
+        [
+            sys.executable, "bench/trainer_bench.py", "--shape", "tiny", "--gpus", "0",
+            "--settings", "eager,process-nographs", "--set", "compile.mode=none",
+            "--steps", "2", "--warmup", "0", "--json", str(rows_file),
+        ],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = {row["setting"]: row for row in json.loads(rows_file.read_text())["rows"]}
+    assert sorted(rows) == ["eager", "process-nographs"]
+    for row in rows.values():
+        assert row["gpus"] == 0
+        assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["first_step_s"] > 0
+        assert row["loss_first"] > 0 and row["loss_last"] > 0
+    assert "1 rank(s) (gloo)" in result.stdout, "the process setting ran under torchrun"
+    # The same seed, data and model in both topologies: the first step's loss is the same.
+    assert rows["process-nographs"]["loss_first"] == pytest.approx(rows["eager"]["loss_first"], rel=1e-4)
+    assert not list(tmp_path.glob(".bench_row_*")), "the hand-over file is cleaned up"
