@@ -86,8 +86,8 @@ SETTINGS = {
     "max-autotune-no-cudagraphs": ("nographs", ["compile.mode=max-autotune-no-cudagraphs"]),
     "process-nographs": ("process", []),
     "process-graphs": ("graphs", []),
-    # CUDA graphs per compiled region (each drafter layer, the loss chunk) instead of one objective.
-    "process-graphs-layers": ("graphs", ["compile.scope=layers"]),
+    # One compiled graph (and CUDA graph) for the whole objective instead of one per region.
+    "process-graphs-objective": ("graphs", ["compile.scope=objective"]),
 }
 DEFAULT_SETTINGS = ("eager", "nographs", "max-autotune-no-cudagraphs")
 PROCESS_PROFILES = ("process", "graphs")  # run profiles whose run.topology is process

@@ -6,19 +6,24 @@
 #      and progress), status.yml reports it, stop.yml leaves a checkpoint;
 #   3. launch.yml -e run=RUN -e resume=true resumes from that checkpoint; stop again.
 # Usage: scripts/gpu_e2e.sh [RUN] (default nographs). Logs go to $OUT (default /tmp/gpu_e2e).
+# Controller state and the workspace go to $STATE (default: a new folder under /tmp per call), so a
+# repeat never meets an earlier run's checkpoints (the trainer would rightly refuse to start over).
 # SKIP_BUSY=1 leaves out step 1 (e.g. for a second run name on the same machine).
 # Every process it starts is ended by PID, also on failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${1:-nographs}
 OUT=${OUT:-/tmp/gpu_e2e}
-mkdir -p "$OUT"
+STATE=${STATE:-$(mktemp -d /tmp/gpu_e2e_state.XXXXXX)}
+mkdir -p "$OUT" "$STATE"
 export ANSIBLE_CONFIG="$PWD/ansible.cfg" PYTHONUNBUFFERED=1
+# The fact cache (the recorded PID) next to the ledger and the workspace, in $STATE.
+export ANSIBLE_CACHE_PLUGIN_CONNECTION="$STATE/facts"
 INVENTORY=inventory/gpu
 busy_pid=""
 cleanup() {
     if [ -n "$busy_pid" ] && kill -0 "$busy_pid" 2>/dev/null; then kill "$busy_pid"; fi
-    ansible-playbook -i "$INVENTORY" playbooks/stop.yml >/dev/null 2>&1 || true
+    ansible-playbook -i "$INVENTORY" -e "dflash_state_dir=$STATE" playbooks/stop.yml >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
 
@@ -27,14 +32,14 @@ playbook() {  # playbook NAME LOG [ansible-playbook args...]
     shift 2
     local started=$SECONDS
     local rc=0
-    ansible-playbook -i "$INVENTORY" "playbooks/$name.yml" "$@" >"$OUT/$log" 2>&1 || rc=$?
+    ansible-playbook -i "$INVENTORY" -e "dflash_state_dir=$STATE" "playbooks/$name.yml" "$@" >"$OUT/$log" 2>&1 || rc=$?
     echo "   $name.yml rc=$rc in $((SECONDS - started)) s (log: $log)"
     return $rc
 }
 
 gpu_memory_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1 | tr -d ' '; }
 
-echo "== GPUs"
+echo "== GPUs (state in $STATE)"
 nvidia-smi --query-gpu=index,name,memory.used,utilization.gpu --format=csv,noheader
 
 if [ -z "${SKIP_BUSY:-}" ]; then
@@ -65,14 +70,16 @@ fi
 echo "== 2. launch, status, stop"
 playbook launch "launch_$RUN.log" -e "run=$RUN"
 tail -n 12 "$OUT/launch_$RUN.log" | sed 's/^/   /'
-log=$(ls .state/workspace/train_*"$RUN"*.log | head -1)
+# The run's log, as launch.yml reported it (nographs -> train_compile_nographs.log, else train_RUN.log).
+log=$(sed -n 's/^ *log  *//p' "$OUT/launch_$RUN.log" | head -1)
+echo "   log: $log"
 grep -m1 "compiling forward" "$log" | sed 's/^/   /'
 sleep 20
 playbook status "status_$RUN.log"
 grep -E "state|progress|tau|GPU" "$OUT/status_$RUN.log" | head -12 | sed 's/^/   /'
 playbook stop "stop_$RUN.log"
 grep -E "checkpoint|stopped|SIGKILL" "$OUT/stop_$RUN.log" | head -5 | sed 's/^/   /'
-ls ".state/workspace/runs/$RUN/checkpoints" | sed 's/^/   checkpoint: /'
+ls "$STATE/workspace/runs/$RUN/checkpoints" | sed 's/^/   checkpoint: /'
 
 echo "== 3. resume from that checkpoint"
 playbook launch "resume_$RUN.log" -e "run=$RUN" -e resume=true

@@ -104,6 +104,27 @@ def test_trainer_dying_at_start_fails_with_log_tail(state_dir: Path) -> None:
 
 
 @pytest.mark.slow
+def test_rank_failing_under_torchrun_names_the_ranks_reason(state_dir: Path) -> None:
+    """Process topology: the rank's own error, not torchrun's failure report, explains the exit."""
+    existing = state_dir / "workspace" / "runs" / "process" / "checkpoints" / "step_00000005.pt"
+    existing.parent.mkdir(parents=True)
+    existing.write_bytes(b"an earlier run's checkpoint")
+    ctl = make_controller(state_dir)
+    try:
+        with pytest.raises(PlaybookFailed) as failure:
+            ctl.launch("process")
+        message = str(failure.value)
+        assert "exit status: 1 (local rank 0 exited 2, so torchrun stopped the run: bad input: " in message
+        assert "already holds a run (checkpoint at step 5); pass --resume" in message
+        assert existing.read_bytes() == b"an earlier run's checkpoint", "the earlier run is left alone"
+        status = ctl.status()
+        assert status["state"] == "exited" and status["exit_status"] == 1
+        assert "already holds a run" in status["exit_reason"]
+    finally:
+        stop_leftovers(ctl, state_dir)
+
+
+@pytest.mark.slow
 def test_status_reports_gpus_and_a_reused_pid(state_dir: Path) -> None:
     """A record whose PID now belongs to another process is 'not ours' and stop leaves it alone."""
     me = os.getpid()

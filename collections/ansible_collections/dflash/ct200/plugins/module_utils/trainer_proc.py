@@ -120,9 +120,12 @@ def last_tau(metrics_path: str | None) -> dict | None:
     return None
 
 
-def exit_from_log(lines: list[str]) -> dict:
-    """What the log says about how the trainer ended (the exit status is only knowable from it:
-    the trainer is not a child of the module, so nobody here can wait() for it)."""
+# torchrun's line for a failed rank: "... api.py:986] failed (exitcode: 2) local_rank: 0 (pid: 3739) ...".
+RANK_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def _trainer_ending(lines: list[str]) -> dict | None:
+    """The trainer's own last word: finished, stopped, bad input (error: ...) or a crash."""
     for line in reversed(lines):
         if line.startswith("done: "):
             return {"exit_status": 0, "exit_reason": "finished"}
@@ -132,4 +135,24 @@ def exit_from_log(lines: list[str]) -> dict:
             return {"exit_status": 2, "exit_reason": "bad input: " + line[len("error: ") :]}
         if line.startswith("Traceback ") or line.startswith("RuntimeError") or "Error: " in line:
             return {"exit_status": 1, "exit_reason": "crashed: " + line}
-    return {"exit_status": None, "exit_reason": "unknown (killed, or the log says nothing)"}
+    return None
+
+
+def exit_from_log(lines: list[str]) -> dict:
+    """What the log says about how the trainer ended (the exit status is only knowable from it:
+    the trainer is not a child of the module, so nobody here can wait() for it).
+
+    Process topology: when a rank fails, torchrun appends its own traceback and failure report
+    (ChildFailedError) after the rank's output; the reason is the rank's, read above that report.
+    """
+    for index, line in enumerate(lines):
+        failed = RANK_FAILED_RE.search(line)
+        if failed:
+            rank_code, local_rank = failed.groups()
+            ending = _trainer_ending(lines[:index])
+            why = ending["exit_reason"] if ending else "the log does not say why"
+            reason = f"local rank {local_rank} exited {rank_code}, so torchrun stopped the run: {why}"
+            # 1: torchrun's own exit status when a rank fails.
+            return {"exit_status": 1, "exit_reason": reason}
+    ending = _trainer_ending(lines)
+    return ending or {"exit_status": None, "exit_reason": "unknown (killed, or the log says nothing)"}

@@ -145,7 +145,8 @@ def report(module: AnsibleModule) -> dict:
     result["last_progress"] = last_matching(params["log"], PROGRESS_RE)
     result["last_eval"] = last_tau(params["metrics"])
     if result["state"] == "exited":
-        result.update(exit_from_log(log_tail))
+        # A wider window than the tail shown: torchrun's failure report alone is about 30 lines.
+        result.update(exit_from_log(tail(params["log"], 400)))
     return result
 
 
@@ -165,7 +166,8 @@ def wait(module: AnsibleModule, pattern: re.Pattern[str]) -> dict:
             time.sleep(POLL_S)  # let an exiting trainer's last lines reach the log
             result = report(module)
             status = result.get("exit_status")
-            shown = "unknown (the log does not say)" if status is None else str(status)
+            shown = "unknown" if status is None else str(status)
+            shown += f" ({result.get('exit_reason', 'the log does not say why')})"
             module.fail_json(
                 msg=(
                     f"the trainer (PID {params['pid']}) is {result['state'].replace('_', ' ')} before "
