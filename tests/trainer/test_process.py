@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,11 +40,11 @@ def losses(out: Path) -> list[float]:
     return [row["loss"] for row in rows if row["kind"] == "train"]
 
 
-def launch(*args: str, log: Path) -> subprocess.Popen:
-    """python -m trainer.launch -- ARGS, detached into its own session, output to log."""
+def launch(*args: str, log: Path, options: tuple[str, ...] = ()) -> subprocess.Popen:
+    """python -m trainer.launch OPTIONS -- ARGS, detached into its own session, output to log."""
     with log.open("ab") as handle:
         return subprocess.Popen(
-            [sys.executable, "-m", "trainer.launch", "--", *args],
+            [sys.executable, "-m", "trainer.launch", *options, "--", *args],
             cwd=REPO,
             stdin=subprocess.DEVNULL,
             stdout=handle,
@@ -184,6 +185,45 @@ def test_sigterm_then_a_dead_rank_then_resume(embedded, cache_dir, tmp_path):
     assert f"done: step {last + 1}" in text()
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    """Something listens on this TCP port, on any address (read from /proc, without connecting)."""
+    rows = [
+        row.split()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6")
+        if Path(table).exists()
+        for row in Path(table).read_text().splitlines()[1:]
+    ]
+    return any(row[1].endswith(f":{port:04X}") and row[3] == "0A" for row in rows)
+
+
+def test_sigterm_while_the_rendezvous_waits_ends_torchrun_at_once(tmp_path):
+    """Node rank 0 of two, its peer never comes: torchrun waits in the rendezvous (in C++, where a
+    Python signal handler would only run after parallel.rendezvous_timeout_s). SIGTERM ends it now."""
+    port, log = free_port(), tmp_path / "alone.log"
+    options = ("--nnodes=2", "--node-rank=0", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=alone")
+    args = ["--run", "process", "--set=parallel.devices=cpu", "--set=parallel.rendezvous_timeout_s=300"]
+    proc = launch(*args, "--out", str(tmp_path / "out"), log=log, options=options)
+    try:
+        wait_for(lambda: listening(port), 120, "the rendezvous to listen", proc)
+        time.sleep(1)  # well inside the wait for the other host
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        end(proc)
+    assert code == 128 + signal.SIGTERM, log.read_text()
+    assert took < 10, f"torchrun took {took:.0f}s to end after SIGTERM"
+    assert "torchrun: SIGTERM before any rank started (rendezvous not complete): exiting" in log.read_text()
+    assert not (tmp_path / "out").exists()
+
+
 def run_trainer_process(*args: str, log: Path) -> int:
     proc = launch(*args, log=log)
     try:
@@ -192,26 +232,25 @@ def run_trainer_process(*args: str, log: Path) -> int:
         end(proc)
 
 
-def test_launch_refuses_bad_input_before_starting(tmp_path):
+@pytest.mark.parametrize(
+    ("options", "problem"),
+    [
+        (["--nnodes=2"], "--rdzv-endpoint"),
+        (["--nnodes=2", "--rdzv-endpoint=127.0.0.1", "--rdzv-id=r"], "must be HOST:PORT"),
+        (["--nnodes=2", "--rdzv-endpoint=127.0.0.1:65536", "--rdzv-id=r"], "port 1..65535"),
+        (["--nnodes=2", "--node-rank=2", "--rdzv-endpoint=h:29400", "--rdzv-id=r"], "--node-rank 2"),
+    ],
+)
+def test_launch_refuses_bad_input_before_starting(tmp_path, options, problem):
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer.launch",
-            "--nnodes=2",
-            "--",
-            "--run",
-            "process",
-            "--out",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "trainer.launch", *options, "--", "--run", "process", "--out", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 2
-    assert "--rdzv-endpoint" in result.stderr
+    assert problem in result.stderr
 
 
 def test_launch_command_per_topology(tmp_path):
@@ -240,8 +279,10 @@ def test_launch_command_per_topology(tmp_path):
         "--run",
         "process",
     )
+    # The static rendezvous keeps the node ranks (c10d would ignore them): rank 0 is on node rank 0.
     assert (
-        "--nnodes=2 --node-rank=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29555 --rdzv-id=r1" in nodes
+        "--nnodes=2 --node-rank=1 --rdzv-backend=static --rdzv-endpoint=127.0.0.1:29555 --rdzv-id=r1 "
+        "--rdzv-conf=timeout=600 " in nodes
     )
     threaded = dry("--", "--run", "nographs")
     assert "-m trainer --run nographs" in threaded and "torch.distributed" not in threaded
