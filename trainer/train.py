@@ -4,7 +4,8 @@
 step; the loop around it logs, evaluates and checkpoints. Model, data, objective, checkpoints and
 metrics do not depend on how workers start: worker threads (topology.py) or one process per device
 under torchrun (process.py). In the process topology every rank runs this same code; rank 0 alone
-writes output, the stop decision and the evaluation's outcome are agreed by all ranks.
+writes the output files, the first rank of every other host prints the same lines to its stdout
+(that host's log), and the stop decision and the evaluation's outcome are agreed by all ranks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -74,8 +76,29 @@ class Output:
         self.metrics.close()
 
 
+class ConsoleOutput(Output):
+    """Output of local rank 0 on every host but rank 0's (process topology on several hosts): the
+    same lines on stdout, which is that host's run log (launch.yml waits for its progress line,
+    status.yml reads it), and no files: rank 0 alone writes train.log, metrics.jsonl, config.yml
+    and the checkpoints. The values in the lines are global ones (losses and token counts summed
+    over every rank, rank 0's tau), so every host's log shows the same numbers."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def line(self, text: str) -> None:
+        with self.lock:
+            print(text, flush=True)
+
+    def metric(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class NullOutput(Output):
-    """Output of the ranks other than 0 in the process topology: rank 0 alone writes."""
+    """Output of the other ranks in the process topology (one rank per host speaks)."""
 
     def __init__(self):
         pass
@@ -313,14 +336,18 @@ def _train(
     if lead_rank:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yml").write_text(dump_config(cfg))
-    out = Output(out_dir) if lead_rank else NullOutput()
+        out: Output = Output(out_dir)
+    elif world is not None and world.local_rank == 0:
+        out = ConsoleOutput()  # the first rank of another host: its host's log
+    else:
+        out = NullOutput()
     topology = None
     stop = StopFlag()
     stop.install()
     try:
         where = ", ".join(map(str, devices))
         if world is not None:
-            where = f"{world.world_size} process(es) ({world.backend}), rank 0 on {where}"
+            where = f"{world.world_size} process(es) ({world.backend}), rank {world.rank} on {where}"
         out.line(
             f"run {cfg.run.name}: topology {cfg.run.topology}, devices {where}, "
             f"compile mode {cfg.compile.mode}, out {out_dir}"
@@ -404,18 +431,28 @@ def _train(
                 devices[0],
                 stop,
             )
-            if agree(tau is None):
+            if world is not None:
+                # Every rank evaluates the same drafter on the same prompts; rank 0's tau is the
+                # one every host logs (CUDA kernels need not agree to the last bit across hosts).
+                taus = world.gather(tau)
+                tau = None if any(value is None for value in taus) else taus[0]
+            if tau is None:
                 return None
-            if tau is not None:
-                out.line(f"eval step {at_step} tau {tau:.3f} prompts {len(eval_prompts)}")
-                out.metric({"kind": "eval", "step": at_step, "tau": tau, "prompts": len(eval_prompts)})
+            out.line(f"eval step {at_step} tau {tau:.3f} prompts {len(eval_prompts)}")
+            out.metric({"kind": "eval", "step": at_step, "tau": tau, "prompts": len(eval_prompts)})
             return tau
 
         def save(at_step: int) -> None:
             state = checkpoint_state(at_step, cfg, topology, loader, tau0)  # a collective in processes
-            if lead_rank:
-                path = save_checkpoint(out_dir / "checkpoints", at_step, state)
+            path = save_checkpoint(out_dir / "checkpoints", at_step, state) if lead_rank else None
+            if world is None or lead_rank:
                 out.line(f"checkpoint saved step {at_step} {path}")
+            if world is not None:
+                # The other hosts log where rank 0 put it once it is there (stop.yml reports
+                # that line on every host); rank 0's file is the run's only checkpoint.
+                host, saved = world.gather((socket.gethostname(), str(path)) if lead_rank else None)[0]
+                if not lead_rank:
+                    out.line(f"checkpoint saved step {at_step} by rank 0 on {host}: {saved}")
 
         step, tau0 = 0, None
         if resume_from is not None:

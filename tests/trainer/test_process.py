@@ -202,6 +202,74 @@ def listening(port: int) -> bool:
     return any(row[1].endswith(f":{port:04X}") and row[3] == "0A" for row in rows)
 
 
+def progress(text: str) -> list[str]:
+    """The progress lines' global part (step, loss, lr): tok/s and eta are each host's own timing."""
+    return [" ".join(line.split()[:6]) for line in text.splitlines() if line.startswith("step ")]
+
+
+def test_two_hosts_log_the_same_progress_and_rank_0_alone_writes(embedded, cache_dir, tmp_path, monkeypatch):
+    """Two "hosts" (one gloo rank each, a static rendezvous on loopback), each with its own --out:
+    rank 0 alone writes files and host 1 logs the same progress (global values); SIGTERM to host 1
+    stops both with rank 0's checkpoint, and host 1 logs where it is."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the two "hosts" talk over loopback only
+    outs = [tmp_path / "host0", tmp_path / "host1"]
+    logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
+    steps = 300  # enough that each SIGTERM comes mid-run (a tiny step takes milliseconds)
+    common = [
+        "--run",
+        "process",
+        *TINY,
+        f"--steps={steps}",
+        f"--set=data.cache_dir={cache_dir}",
+        "--set=train.checkpoint_every=0",
+        "--set=parallel.rendezvous_timeout_s=120",
+        "--set=parallel.step_timeout_s=120",
+    ]
+
+    def run_both(*args: str, signal_host: int | None = None, after: str = "") -> list[str]:
+        """Run both hosts (host 1 starts first: it waits for the rendezvous host 0 serves), and
+        SIGTERM one of them once its log shows `after`. Returns what each log gained."""
+        port = free_port()
+        before = [log.read_text() if log.exists() else "" for log in logs]
+        gained = lambda rank: logs[rank].read_text()[len(before[rank]) :]  # noqa: E731
+        procs: dict[int, subprocess.Popen] = {}
+        try:
+            for rank in (1, 0):
+                options = (
+                    "--nnodes=2",
+                    f"--node-rank={rank}",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    "--rdzv-id=two-hosts",
+                )
+                procs[rank] = launch(
+                    *common, *args, "--out", str(outs[rank]), log=logs[rank], options=options
+                )
+            if signal_host is not None:
+                wait_for(lambda: after in gained(signal_host), 240, after, procs[signal_host])
+                procs[signal_host].send_signal(signal.SIGTERM)
+            codes = [procs[rank].wait(timeout=240) for rank in (0, 1)]
+        finally:
+            for proc in procs.values():
+                end(proc)
+        texts = [gained(0), gained(1)]
+        assert codes == [0, 0], texts
+        return texts
+
+    first = run_both(signal_host=1, after="step 2/")
+    assert "topology process, devices 2 process(es) (gloo), rank 0 on cpu" in first[0]
+    assert "rank 1 on cpu" in first[1]
+    assert progress(first[1]) == progress(first[0]) and len(progress(first[0])) >= 2, first
+    stopped = int(first[0].split("stopped at step ")[1].split()[0])
+    assert 2 <= stopped < steps, first[0]
+    lead_checkpoint = outs[0] / "checkpoints" / f"step_{stopped:08d}.pt"
+    assert f"checkpoint saved step {stopped} {lead_checkpoint}" in first[0]
+    assert (
+        f"checkpoint saved step {stopped} by rank 0 on {socket.gethostname()}: {lead_checkpoint}" in first[1]
+    )
+    assert f"stopped at step {stopped}" in first[1]
+    assert not outs[1].exists(), "host 1 writes nothing: no train.log, metrics or checkpoints"
+
+
 def test_sigterm_while_the_rendezvous_waits_ends_torchrun_at_once(tmp_path):
     """Node rank 0 of two, its peer never comes: torchrun waits in the rendezvous (in C++, where a
     Python signal handler would only run after parallel.rendezvous_timeout_s). SIGTERM ends it now."""
