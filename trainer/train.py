@@ -18,12 +18,22 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
-from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    checkpoint_from_bytes,
+    header_digest,
+    list_checkpoints,
+    load_checkpoint,
+    read_checkpoint_bytes,
+    save_checkpoint,
+    split_checkpoint,
+)
 from .config import Config, config_from_dict, dump_config
 from .data import (
     ChatFormat,
@@ -253,6 +263,88 @@ def check_resumable(state: dict, cfg: Config, workers: int, path: Path) -> None:
         )
 
 
+@dataclass
+class ResumePoint:
+    """The checkpoint a run continues from: rank 0's newest, and how this rank got its state."""
+
+    state: dict
+    path: Path  # the file on rank 0's host
+    how: str = ""  # on ranks of other hosts: "this host's copy <path>" or "received from rank 0"
+
+
+def find_resume_point(
+    cfg: Config, out_dir: Path, workers: int, world: ProcessWorld | None
+) -> ResumePoint | None:
+    """The checkpoint --resume continues from, verified and checked on every rank; None: start at 0.
+
+    Rank 0 decides: its newest checkpoint. No shared storage is needed: a rank whose own --out
+    holds the same file (same name, same payload SHA-256) loads it from there; when any rank lacks
+    it, rank 0 sends the file's bytes to every rank, which verify them as a file read from disk.
+    Every problem is agreed (gathered), so every rank refuses the same way instead of one rank
+    failing while the others wait in a collective. A collective in processes.
+    """
+    directory = out_dir / "checkpoints"
+    if world is None:
+        checkpoints = list_checkpoints(directory)
+        if not checkpoints:
+            return None
+        path = checkpoints[-1][1]
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError as exc:
+            raise BadInput(f"{exc}; move it aside to resume from the one before it") from None
+        check_resumable(state, cfg, workers, path)
+        return ResumePoint(state, path)
+
+    raw, state, chosen, problem = None, None, None, None
+    if world.is_lead:
+        checkpoints = list_checkpoints(directory)
+        if checkpoints:
+            path = checkpoints[-1][1]
+            try:
+                raw = read_checkpoint_bytes(path)
+                digest, _ = split_checkpoint(raw, path)
+                state = checkpoint_from_bytes(raw, path, digest)
+                chosen = (path.name, str(path), digest)
+            except CheckpointError as exc:
+                problem = f"{exc}; move it aside to resume from the one before it"
+    chosen, problem = world.gather((chosen, problem))[0]  # rank 0's decision, on every rank
+    if problem is not None:
+        raise BadInput(problem if world.is_lead else f"rank 0: {problem}")
+    if chosen is None:
+        return None
+    name, lead_path, digest = chosen
+    how = ""
+    if not world.is_lead:
+        own = directory / name
+        if header_digest(own) == digest:
+            try:
+                state, how = load_checkpoint(own), f"this host's copy {own}"
+            except CheckpointError:
+                state = None  # a damaged copy here: take rank 0's
+    problems: list[str] = []
+    if any(world.gather(state is None)):
+        received = world.broadcast_bytes(raw if world.is_lead else None)
+        if state is None:
+            try:
+                state = checkpoint_from_bytes(received, f"{lead_path} (received from rank 0)", digest)
+                how = "received from rank 0"
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        del received
+    del raw
+    if state is not None:
+        try:
+            check_resumable(state, cfg, workers, Path(lead_path))
+        except BadInput as exc:
+            problems.append(str(exc))
+    refused = [(rank, text) for rank, texts in enumerate(world.gather(problems)) for text in texts]
+    if refused:
+        own = [text for rank, text in refused if rank == world.rank]
+        raise BadInput(own[0] if own else f"rank {refused[0][0]}: {refused[0][1]}")
+    return ResumePoint(state, Path(lead_path), how)
+
+
 def restore_state(state: dict, topology: Topology, loader: Loader) -> None:
     for replica in topology.replicas:
         replica.drafter.load_state_dict(state["drafter"])
@@ -315,23 +407,7 @@ def _train(
 ) -> int:
     """The run itself, on every rank alike (threads: one call; processes: one per rank)."""
     lead_rank = world is None or world.is_lead
-    resume_from = None
-    if resume:
-        checkpoints = list_checkpoints(out_dir / "checkpoints")
-        if checkpoints:
-            resume_from = checkpoints[-1][1]
-            try:
-                resume_state = load_checkpoint(resume_from)
-            except CheckpointError as exc:
-                raise BadInput(f"{exc}; move it aside to resume from the one before it") from None
-            check_resumable(resume_state, cfg, workers, resume_from)
-    if world is not None:
-        seen = world.gather(None if resume_from is None else resume_from.name)
-        if len(set(seen)) > 1:
-            raise BadInput(
-                f"--resume: the ranks see different newest checkpoints in {out_dir / 'checkpoints'} "
-                f"({', '.join(map(str, seen))}); every host needs the same --out (shared storage)"
-            )
+    resume_from = find_resume_point(cfg, out_dir, workers, world) if resume else None
 
     if lead_rank:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -456,10 +532,12 @@ def _train(
 
         step, tau0 = 0, None
         if resume_from is not None:
-            restore_state(resume_state, topology, loader)
-            step = int(resume_state["step"])
-            tau0 = resume_state["tau0"] if resume_state["tau0"] >= 0 else None
-            out.line(f"resumed from {resume_from} at step {step}")
+            restore_state(resume_from.state, topology, loader)
+            step = int(resume_from.state["step"])
+            tau0 = resume_from.state["tau0"] if resume_from.state["tau0"] >= 0 else None
+            how = f" ({resume_from.how})" if resume_from.how else ""
+            out.line(f"resumed from {resume_from.path} at step {step}{how}")
+            resume_from = None  # the state's tensors are in the model now: drop the copy
         if tau0 is None:
             tau0 = evaluate(step)
             if tau0 is None:

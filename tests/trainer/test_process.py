@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -207,10 +208,11 @@ def progress(text: str) -> list[str]:
     return [" ".join(line.split()[:6]) for line in text.splitlines() if line.startswith("step ")]
 
 
-def test_two_hosts_log_the_same_progress_and_rank_0_alone_writes(embedded, cache_dir, tmp_path, monkeypatch):
+def test_two_hosts_without_shared_storage_resume_from_rank_0(embedded, cache_dir, tmp_path, monkeypatch):
     """Two "hosts" (one gloo rank each, a static rendezvous on loopback), each with its own --out:
-    rank 0 alone writes files and host 1 logs the same progress (global values); SIGTERM to host 1
-    stops both with rank 0's checkpoint, and host 1 logs where it is."""
+    rank 0 alone writes files and host 1 logs the same progress; SIGTERM to host 1 stops both with
+    rank 0's checkpoint; on --resume host 1 first receives that checkpoint from rank 0, later loads
+    its own copy of one; the losses are those of an uninterrupted run."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the two "hosts" talk over loopback only
     outs = [tmp_path / "host0", tmp_path / "host1"]
     logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
@@ -268,6 +270,40 @@ def test_two_hosts_log_the_same_progress_and_rank_0_alone_writes(embedded, cache
     )
     assert f"stopped at step {stopped}" in first[1]
     assert not outs[1].exists(), "host 1 writes nothing: no train.log, metrics or checkpoints"
+
+    second = run_both("--resume", signal_host=0, after=f"step {stopped + 1}/")
+    assert f"resumed from {lead_checkpoint} at step {stopped}\n" in second[0]
+    assert f"resumed from {lead_checkpoint} at step {stopped} (received from rank 0)" in second[1]
+    assert progress(second[1]) == progress(second[0]), second
+    assert not outs[1].exists()
+    again = int(second[0].split("stopped at step ")[1].split()[0])
+    assert again > stopped
+
+    # Host 1 holds rank 0's newest file now (as with shared storage): it loads its own copy.
+    copy = outs[1] / "checkpoints" / f"step_{again:08d}.pt"
+    copy.parent.mkdir(parents=True)
+    shutil.copyfile(outs[0] / "checkpoints" / copy.name, copy)
+    third = run_both("--resume")
+    assert f"at step {again} (this host's copy {copy})" in third[1], third[1]
+    assert f"done: step {steps}" in third[0] and f"done: step {steps}" in third[1]
+
+    reference = run_trainer(
+        "--run",
+        "eager",
+        *TINY,
+        f"--steps={steps}",
+        f"--set=data.cache_dir={cache_dir}",
+        "--set=train.checkpoint_every=0",
+        "--set=parallel.cpu_workers=2",
+        "--out",
+        str(tmp_path / "reference"),
+    )
+    assert reference.returncode == 0, reference.stderr
+    rows = [json.loads(line) for line in (outs[0] / "metrics.jsonl").read_text().splitlines()]
+    by_step = {row["step"]: row["loss"] for row in rows if row["kind"] == "train"}  # the last per step
+    assert sorted(by_step) == list(range(1, steps + 1))
+    expected = losses(tmp_path / "reference")
+    assert [by_step[step] for step in sorted(by_step)] == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
 def test_sigterm_while_the_rendezvous_waits_ends_torchrun_at_once(tmp_path):
