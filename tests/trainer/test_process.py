@@ -212,17 +212,19 @@ def test_two_hosts_without_shared_storage_resume_from_rank_0(embedded, cache_dir
     """Two "hosts" (one gloo rank each, a static rendezvous on loopback), each with its own --out:
     rank 0 alone writes files and host 1 logs the same progress; SIGTERM to host 1 stops both with
     rank 0's checkpoint; on --resume host 1 first receives that checkpoint from rank 0, later loads
-    its own copy of one; the losses are those of an uninterrupted run."""
+    its own copy of one; the losses are those of an uninterrupted run. Nothing is shared but the
+    rendezvous: not the output, not the cache."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the two "hosts" talk over loopback only
     outs = [tmp_path / "host0", tmp_path / "host1"]
     logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
+    # Host 1 builds the embedded target into a cache of its own, as a separate machine would.
+    caches = [cache_dir, tmp_path / "host1-cache"]
     steps = 300  # enough that each SIGTERM comes mid-run (a tiny step takes milliseconds)
     common = [
         "--run",
         "process",
         *TINY,
         f"--steps={steps}",
-        f"--set=data.cache_dir={cache_dir}",
         "--set=train.checkpoint_every=0",
         "--set=parallel.rendezvous_timeout_s=120",
         "--set=parallel.step_timeout_s=120",
@@ -243,9 +245,8 @@ def test_two_hosts_without_shared_storage_resume_from_rank_0(embedded, cache_dir
                     f"--rdzv-endpoint=127.0.0.1:{port}",
                     "--rdzv-id=two-hosts",
                 )
-                procs[rank] = launch(
-                    *common, *args, "--out", str(outs[rank]), log=logs[rank], options=options
-                )
+                own = ["--out", str(outs[rank]), f"--set=data.cache_dir={caches[rank]}"]
+                procs[rank] = launch(*common, *args, *own, log=logs[rank], options=options)
             if signal_host is not None:
                 wait_for(lambda: after in gained(signal_host), 240, after, procs[signal_host])
                 procs[signal_host].send_signal(signal.SIGTERM)
