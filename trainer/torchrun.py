@@ -8,8 +8,9 @@ forwarded to the ranks (torchrun starts them in sessions of their own, so a sign
 process group does not reach them), and torchrun's monitor sees them finish: exit 0 when every
 rank exited 0 (stopped after the checkpoint), its usual failure report otherwise. Ranks still
 alive --shutdown-timeout seconds after the first signal are killed, as torchrun would. A signal
-that comes before any rank started (a multi-host rendezvous still waiting for its hosts) ends
-torchrun at once: there is nothing to checkpoint.
+that comes while no rank runs (a multi-host rendezvous still waiting for its hosts, or the exit
+barrier waiting for the other hosts after this host's ranks finished) ends torchrun at once:
+there is nothing to checkpoint.
 """
 
 from __future__ import annotations
@@ -96,9 +97,10 @@ def main() -> None:
     def forward(signum: int) -> None:
         name = signal.Signals(signum).name
         if not first and not child_pids():
-            # No rank yet (still in the rendezvous, e.g. waiting for a host that never came):
-            # nothing to checkpoint, and nobody to forward to. End now, not at the rendezvous timeout.
-            print(f"torchrun: {name} before any rank started (rendezvous not complete): exiting", flush=True)
+            # No rank running: not started yet (still in the rendezvous, e.g. waiting for a host
+            # that never came), or all done (then torchrun may wait for the other hosts in its exit
+            # barrier). Nothing to checkpoint, nobody to forward to: end now, not at a timeout.
+            print(f"torchrun: {name} while no rank runs (rendezvous or exit barrier): exiting", flush=True)
             os._exit(128 + signum)
         send_to_children(signum)
         if not first:

@@ -51,7 +51,7 @@ from .embedded import ensure_embedded
 from .environment import resolve_devices
 from .evaluate import acceptance_length
 from .model import target_layer_ids
-from .process import ProcessSetupError, ProcessTopology, ProcessWorld
+from .process import ProcessSetupError, ProcessTopology, ProcessWorld, launched_by_torchrun
 from .replica import Replica
 from .target import load_target, load_tokenizer, num_target_layers
 from .topology import ThreadedTopology
@@ -139,9 +139,14 @@ class StopFlag:
 
         self.previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def uninstall(self) -> None:
+    def uninstall(self, ignore_late_signals: bool = False) -> None:
+        """Restore the previous handlers; or, for a rank under torchrun whose run is over, ignore
+        SIGTERM/SIGINT from now on: on several hosts a stop request reaches each host's torchrun
+        at its own moment, and one that arrives after this rank already stopped (the ranks agreed
+        on it when another host's request came) must not kill it on its way out, or torchrun
+        reports a failed rank instead of a clean stop."""
         for sig, previous in getattr(self, "previous", {}).items():
-            signal.signal(sig, previous)
+            signal.signal(sig, signal.SIG_IGN if ignore_late_signals else previous)
 
 
 def format_eta(seconds: float) -> str:
@@ -587,7 +592,7 @@ def _train(
         if topology is not None:
             topology.close()
         out.close()
-        stop.uninstall()
+        stop.uninstall(ignore_late_signals=world is not None and launched_by_torchrun())
 
 
 def stopped(out: Output, stop: StopFlag, step: int, save) -> int:
