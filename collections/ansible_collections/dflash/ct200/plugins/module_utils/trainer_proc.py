@@ -13,6 +13,9 @@ import re
 from itertools import pairwise
 
 PROGRESS_RE = re.compile(r"^step \d+/\d+ ")
+# Lines of the log read for how the trainer ended: torchrun's failure report alone is some 40 lines,
+# and the trainer's own verdict (an `error: ...` line) comes before it.
+VERDICT_LINES = 400
 CHECKPOINT_RE = re.compile(r"^checkpoint saved step \d+ ")
 
 
@@ -120,9 +123,38 @@ def last_tau(metrics_path: str | None) -> dict | None:
     return None
 
 
+# torchrun's own report of a failed rank (process topology): "... failed (exitcode: 2) local_rank: 0 ...".
+TORCHRUN_FAILED_RE = re.compile(r"\bfailed \(exitcode: (-?\d+)\) local_rank: \d+")
+
+
 def exit_from_log(lines: list[str]) -> dict:
     """What the log says about how the trainer ended (the exit status is only knowable from it:
-    the trainer is not a child of the module, so nobody here can wait() for it)."""
+    the trainer is not a child of the module, so nobody here can wait() for it).
+
+    Under torchrun (process topology) the log ends with torchrun's report of the first rank that
+    failed, its traceback and exit code: the trainer's own verdict is in the lines before that
+    report (an `error: ...` line, a traceback), and the rank's exit code is the run's status.
+    """
+    for index, line in enumerate(lines):
+        match = TORCHRUN_FAILED_RE.search(line)
+        if match:
+            code = int(match.group(1))
+            own = _verdict(lines[:index])
+            if own["exit_status"] is not None:
+                return own
+            what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            return {"exit_status": code, "exit_reason": f"a rank {what} (torchrun's report in the log)"}
+    return _verdict(lines)
+
+
+def describe_exit(verdict: dict) -> str:
+    """`2 (bad input: ...)`, or that the log does not tell, for messages."""
+    if verdict.get("exit_status") is None:
+        return "unknown (the log does not say)"
+    return f"{verdict['exit_status']} ({verdict['exit_reason']})"
+
+
+def _verdict(lines: list[str]) -> dict:
     for line in reversed(lines):
         if line.startswith("done: "):
             return {"exit_status": 0, "exit_reason": "finished"}

@@ -125,7 +125,9 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.dflash.ct200.plugins.module_utils.gpu import gpu_report
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     PROGRESS_RE,
+    VERDICT_LINES,
     boot_id,
+    describe_exit,
     exit_from_log,
     last_matching,
     last_tau,
@@ -145,7 +147,7 @@ def report(module: AnsibleModule) -> dict:
     result["last_progress"] = last_matching(params["log"], PROGRESS_RE)
     result["last_eval"] = last_tau(params["metrics"])
     if result["state"] == "exited":
-        result.update(exit_from_log(log_tail))
+        result.update(exit_from_log(tail(params["log"], VERDICT_LINES)))
     return result
 
 
@@ -164,8 +166,7 @@ def wait(module: AnsibleModule, pattern: re.Pattern[str]) -> dict:
         if result["state"] != "running":
             time.sleep(POLL_S)  # let an exiting trainer's last lines reach the log
             result = report(module)
-            status = result.get("exit_status")
-            shown = "unknown (the log does not say)" if status is None else str(status)
+            shown = describe_exit(result)
             module.fail_json(
                 msg=(
                     f"the trainer (PID {params['pid']}) is {result['state'].replace('_', ' ')} before "
