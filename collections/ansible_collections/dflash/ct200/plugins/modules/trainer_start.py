@@ -131,10 +131,11 @@ def main() -> None:
         supports_check_mode=True,
     )
     params = module.params
+    if module.check_mode:
+        # Before the script check: in check mode the workspace role has only said what it would write.
+        module.exit_json(changed=True, msg=f"would start {params['script']} detached (log {params['log']})")
     if not os.access(params["script"], os.X_OK):
         module.fail_json(msg=f"{params['script']} is missing or not executable: run the workspace role first")
-    if module.check_mode:
-        module.exit_json(changed=True, msg=f"would start {params['script']} detached (log {params['log']})")
 
     kept = keep_earlier_log(params["log"])
     with open(params["log"], "wb") as log, open(os.devnull, "rb") as devnull:
