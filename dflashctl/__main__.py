@@ -13,13 +13,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflashctl", description=__doc__)
     parser.add_argument("--inventory", help="inventory path (default: inventory/local)")
     parser.add_argument("--state-dir", help="controller state (default: .state of the checkout)")
+    parser.add_argument("--limit", help="ansible-playbook --limit: only these hosts of group trainers")
     sub = parser.add_subparsers(dest="command", required=True)
     launch = sub.add_parser("launch", help="launch a run (playbooks/launch.yml)")
     launch.add_argument("run", help="run name, a profile in trainer/runs/")
     sub.add_parser("status", help="report the recorded run (playbooks/status.yml)")
     sub.add_parser("stop", help="stop the recorded run (playbooks/stop.yml)")
     args = parser.parse_args(argv)
-    controller = Controller(Settings(inventory=args.inventory, state_dir=args.state_dir))
+    controller = Controller(Settings(inventory=args.inventory, state_dir=args.state_dir, limit=args.limit))
     try:
         if args.command == "launch":
             result = controller.launch(args.run)

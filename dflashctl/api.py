@@ -32,6 +32,9 @@ class Settings:
     envvars: Mapping[str, str] = field(default_factory=dict)
     # Seconds for one playbook; None: no limit beyond the playbooks' own timeouts.
     timeout: int | None = None
+    # ansible-playbook --limit: a host pattern (status or stop of some hosts; a threaded run on one
+    # host of a larger group). A multi-host launch refuses a limit that leaves hosts of the run out.
+    limit: str | None = None
     # Runner artifact directories kept under state_dir/runner/artifacts.
     keep_artifacts: int = 20
 
@@ -132,6 +135,7 @@ class Controller:
             suppress_env_files=True,
             rotate_artifacts=settings.keep_artifacts,
             timeout=settings.timeout,
+            limit=settings.limit,
             quiet=True,
         )
         result = read_events(playbook, runner)
