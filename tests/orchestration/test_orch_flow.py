@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
-from conftest import BUSY, IDLE, ledger, make_controller, stop_leftovers
+from conftest import BUSY, IDLE, end_torchruns_of, ledger, make_controller, stop_leftovers
 
 from dflashctl import Controller, PlaybookFailed
 
@@ -195,23 +194,3 @@ def test_process_topology_launch_status_stop(state_dir: Path) -> None:
     finally:
         stop_leftovers(ctl, state_dir)
         end_torchruns_of(state_dir)
-
-
-def end_torchruns_of(state_dir: Path) -> None:
-    """SIGTERM (then SIGKILL) a torchrun this test started that no record led to: its cmdline names
-    this test's own state directory. Its ranks follow it (they get SIGTERM when it dies)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = proc.joinpath("cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"trainer.torchrun" in cmdline and any(str(state_dir).encode() in part for part in cmdline):
-            pid = int(proc.name)
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 30
-            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if Path(f"/proc/{pid}").exists():
-                os.kill(pid, signal.SIGKILL)

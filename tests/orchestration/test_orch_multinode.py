@@ -1,6 +1,7 @@
 """A run over two hosts of group `trainers`, both this machine: one torchrun each (gloo on CPU), a
 rendezvous on loopback, separate workspaces. Through the real playbooks (dflashctl over
-ansible-runner): bad setups are refused on every host before anything starts."""
+ansible-runner): bad setups are refused on every host before anything starts, and a start that
+fails on one host, or a trainer that dies there, stops what started on the other."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ledger
+from conftest import end_torchruns_of, is_our_trainer, ledger, stop_leftovers
 
 from dflashctl import Controller, PlaybookFailed, Settings
 
@@ -83,6 +84,12 @@ def pair_controller(tmp_path: Path, limit: str | None = None, **inventory) -> Co
     )
 
 
+def cleanup(ctl: Controller, tmp_path: Path) -> None:
+    """Stop whatever this test started: stop.yml, then recorded PIDs, then torchruns of its workspaces."""
+    stop_leftovers(ctl, tmp_path / "state")
+    end_torchruns_of(tmp_path)
+
+
 def nothing_started(tmp_path: Path) -> None:
     for name in HOSTS:
         assert not (tmp_path / name).exists(), f"{name}'s workspace was created"
@@ -139,3 +146,65 @@ def test_preflight_failing_on_one_host_starts_nothing_anywhere(tmp_path: Path) -
         ctl.launch("process")
     assert "No GPU can be read on node1" in str(failure.value)
     nothing_started(tmp_path)
+
+
+@pytest.mark.slow
+def test_start_failing_on_one_host_stops_the_other(tmp_path: Path) -> None:
+    """node1's python does not exist, so its run.sh dies at once; node0's torchrun, which started
+    and waits in the rendezvous, is stopped and recorded failed: nothing is left waiting."""
+    ctl = pair_controller(tmp_path, host_vars={"node1": {"trainer_python": str(tmp_path / "no-such-python")}})
+    try:
+        with pytest.raises(PlaybookFailed) as failure:
+            ctl.launch("process")
+        message = str(failure.value)
+        assert "node1: " in message and "exited; exit status" in message, "node1's own error"
+        assert "The start failed on node1, and run process needs all 2 hosts (node0, node1)" in message
+        assert "the trainer started here (PID " in message and "was stopped" in message
+        records = ledger(tmp_path / "state")
+        assert {record["host"]: record["state"] for record in records} == {
+            "node0": "failed",
+            "node1": "failed",
+        }
+        for record in records:
+            assert not is_our_trainer(record), f"{record['host']}'s trainer is still running"
+        log = (tmp_path / "node0" / "train_process.log").read_text()
+        assert "torchrun: SIGTERM while no rank runs (rendezvous or exit barrier): exiting" in log
+    finally:
+        cleanup(ctl, tmp_path)
+
+
+@pytest.mark.slow
+def test_trainer_dying_on_one_host_stops_the_other(tmp_path: Path) -> None:
+    """node1's trainer refuses its data file and exits 2 before joining the process group; node0's
+    rank would wait for it until parallel.step_timeout_s. The launch stops node0 and fails."""
+    ctl = pair_controller(
+        tmp_path,
+        group_vars={
+            # node0's wait runs out first (its rank is blocked, waiting for node1's), then it is stopped.
+            "run_wait_timeout": 30,
+            "trainer_machine": {
+                "parallel": {
+                    "devices": "cpu",
+                    "cpu_workers": 1,
+                    "step_timeout_s": 600,
+                    "shutdown_timeout_s": 10,
+                }
+            },
+        },
+        host_vars={"node1": {"workspace_trainer_set": [*TINY, "data.train_file=/nonexistent/chat.jsonl"]}},
+    )
+    try:
+        with pytest.raises(PlaybookFailed) as failure:
+            ctl.launch("process")
+        message = str(failure.value)
+        assert "node1: " in message and "exit status: 2" in message and "data.train_file" in message, message
+        assert "could not go on without node1 and was stopped" in message, message
+        records = ledger(tmp_path / "state")
+        assert {record["host"]: record["state"] for record in records} == {
+            "node0": "failed",
+            "node1": "failed",
+        }
+        for record in records:
+            assert not is_our_trainer(record), f"{record['host']}'s trainer is still running"
+    finally:
+        cleanup(ctl, tmp_path)
