@@ -1,7 +1,8 @@
 """A run over two hosts of group `trainers`, both this machine: one torchrun each (gloo on CPU), a
-rendezvous on loopback, separate workspaces. Through the real playbooks (dflashctl over
-ansible-runner): bad setups are refused on every host before anything starts, and a start that
-fails on one host, or a trainer that dies there, stops what started on the other."""
+rendezvous on loopback, separate workspaces (no shared storage). Through the real playbooks
+(dflashctl over ansible-runner): launch, status and stop report every host; resume sends rank 0's
+checkpoint to the host that lacks it; bad setups are refused on every host before anything starts,
+and a start that fails on one host stops what started on the other."""
 
 from __future__ import annotations
 
@@ -94,6 +95,66 @@ def nothing_started(tmp_path: Path) -> None:
     for name in HOSTS:
         assert not (tmp_path / name).exists(), f"{name}'s workspace was created"
     assert ledger(tmp_path / "state") == []
+
+
+@pytest.mark.slow
+def test_two_hosts_launch_status_stop_resume(tmp_path: Path) -> None:
+    ctl = pair_controller(tmp_path)
+    try:
+        records = ctl.launch_by_host("process")
+        assert list(records) == list(HOSTS)
+        for rank, name in enumerate(HOSTS):
+            record = records[name]
+            assert record["host"] == name and record["state"] == "running"
+            assert record["log"] == str(tmp_path / name / "train_process.log")
+            cmdline = [
+                p.decode() for p in Path(f"/proc/{record['pid']}/cmdline").read_bytes().split(b"\0") if p
+            ]
+            assert "trainer.torchrun" in cmdline, "the recorded PID is this host's torchrun"
+            assert f"--node-rank={rank}" in cmdline and "--nnodes=2" in cmdline, cmdline
+            assert any(arg.startswith("--rdzv-endpoint=127.0.0.1:") for arg in cmdline), cmdline
+            assert "\nstep " in Path(record["log"]).read_text(), f"{name} logs progress"
+        lead_log = Path(records["node0"]["log"]).read_text()
+        assert "topology process, devices 2 process(es) (gloo), rank 0 on cpu" in lead_log
+        assert "2 process(es) (gloo), rank 1 on cpu" in Path(records["node1"]["log"]).read_text()
+
+        status = ctl.run_playbook("status.yml", {}).stats
+        assert list(status["dflash_status_by_host"]) == list(HOSTS)
+        for name in HOSTS:
+            report = status["dflash_status_by_host"][name]
+            assert report["state"] == "running" and report["pid"] == records[name]["pid"], report
+            assert report["last_progress"].startswith("step "), report
+            # node1 has no metrics.jsonl (rank 0 alone writes it): its tau comes from its log.
+            assert report["last_eval"]["step"] == 0, report
+            assert f"{name}: running: process as PID {records[name]['pid']}" in status["dflash_summary"]
+        assert status["dflash_status"] == status["dflash_status_by_host"]["node0"]
+
+        stopped = ctl.stop_by_host()
+        assert list(stopped) == list(HOSTS)
+        for name in HOSTS:
+            assert stopped[name]["state_before"] == "running" and stopped[name]["killed"] is False, stopped
+        step = int(stopped["node0"]["checkpoint"].split()[3])
+        checkpoint = tmp_path / "node0" / "runs" / "process" / "checkpoints" / f"step_{step:08d}.pt"
+        assert stopped["node0"]["checkpoint"] == f"checkpoint saved step {step} {checkpoint}"
+        assert stopped["node1"]["checkpoint"].endswith(f"by rank 0 on {socket.gethostname()}: {checkpoint}")
+        assert checkpoint.is_file()
+        assert not (tmp_path / "node1" / "runs" / "process").exists(), "rank 0 alone writes the run's files"
+        after = ctl.status_by_host()
+        for name in HOSTS:
+            assert after[name]["state"] == "exited" and after[name]["exit_status"] == 0, after[name]
+            assert not is_our_trainer(records[name])
+
+        resumed = ctl.launch_by_host("process", resume=True)
+        logs = {name: Path(resumed[name]["log"]).read_text() for name in HOSTS}
+        assert f"resumed from {checkpoint} at step {step}\n" in logs["node0"], logs["node0"][-2000:]
+        assert f"resumed from {checkpoint} at step {step} (received from rank 0)" in logs["node1"]
+        again = ctl.stop_by_host()
+        for name in HOSTS:
+            assert again[name]["state_before"] == "running" and again[name]["killed"] is False, again
+            assert not is_our_trainer(resumed[name])
+        assert [record["state"] for record in ledger(tmp_path / "state")] == ["stopped"] * 4
+    finally:
+        cleanup(ctl, tmp_path)
 
 
 @pytest.mark.slow

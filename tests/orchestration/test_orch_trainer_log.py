@@ -71,3 +71,13 @@ def test_plain_trainer_logs_read_as_before() -> None:
     unknown = trainer_proc.exit_from_log(["step 1/9 loss 1.0"])
     assert unknown["exit_status"] is None
     assert trainer_proc.describe_exit(unknown) == "unknown (the log does not say)"
+
+
+def test_tau_of_a_host_without_metrics_comes_from_its_log(tmp_path: Path) -> None:
+    """A host other than rank 0's has no metrics.jsonl; its log has the evaluation lines."""
+    log = tmp_path / "train_process.log"
+    lines = ["eval step 0 tau 1.000 prompts 16", "step 50/150 loss 2.1", "eval step 50 tau 1.719 prompts 16"]
+    log.write_text("\n".join([*lines, "step 51/150 loss 2.0"]) + "\n")
+    assert trainer_proc.last_tau_in_log(str(log)) == {"kind": "eval", "step": 50, "tau": 1.719, "prompts": 16}
+    log.write_text("step 1/150 loss 9.0\n")
+    assert trainer_proc.last_tau_in_log(str(log)) is None

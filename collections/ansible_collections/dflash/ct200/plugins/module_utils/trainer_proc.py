@@ -123,6 +123,20 @@ def last_tau(metrics_path: str | None) -> dict | None:
     return None
 
 
+EVAL_RE = re.compile(r"^eval step (\d+) tau ([0-9.]+) prompts (\d+)")
+
+
+def last_tau_in_log(log_path: str | None) -> dict | None:
+    """The latest evaluation line of the log as a metrics row, or None: what a host other than rank
+    0's has (in a multi-host run rank 0 alone writes metrics.jsonl; every host logs the line)."""
+    for line in reversed(tail(log_path, 2000)):
+        match = EVAL_RE.match(line)
+        if match:
+            step, tau, prompts = match.groups()
+            return {"kind": "eval", "step": int(step), "tau": float(tau), "prompts": int(prompts)}
+    return None
+
+
 # torchrun's own report of a failed rank (process topology): "... failed (exitcode: 2) local_rank: 0 ...".
 TORCHRUN_FAILED_RE = re.compile(r"\bfailed \(exitcode: (-?\d+)\) local_rank: \d+")
 

@@ -9,7 +9,8 @@ short_description: Inspect a DFlash trainer process, its log and the host's GPUs
 description:
   - Classifies a recorded trainer as C(none), C(running), C(exited) or C(not_ours) (its PID now
     belongs to another process, or the host rebooted), from the PID, its start time and the boot id.
-  - Reports the latest progress line, the latest tau of C(metrics.jsonl) and the log's tail.
+  - Reports the latest progress line, the latest tau of C(metrics.jsonl) (else of the log's last
+    C(eval step) line, as on the hosts of a multi-host run that do not hold rank 0) and the log's tail.
   - With O(wait_for), waits until a log line matches while the trainer lives, and fails with the
     exit status (as far as the log tells) and the log's tail when it dies or the time runs out.
   - With O(gpus), also reads GPU usage with C(nvidia-smi) (C(--query-gpu=index,memory.used,utilization.gpu),
@@ -97,7 +98,7 @@ last_progress:
   type: str
   returned: always
 last_eval:
-  description: The latest eval row of metrics.jsonl (step, tau, prompts).
+  description: The latest eval row of metrics.jsonl, else of the log (step, tau, prompts).
   type: dict
   returned: always
 log_tail:
@@ -131,6 +132,7 @@ from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     exit_from_log,
     last_matching,
     last_tau,
+    last_tau_in_log,
     probe,
     tail,
 )
@@ -145,7 +147,7 @@ def report(module: AnsibleModule) -> dict:
     log_tail = tail(params["log"], params["tail_lines"])
     result["log_tail"] = log_tail
     result["last_progress"] = last_matching(params["log"], PROGRESS_RE)
-    result["last_eval"] = last_tau(params["metrics"])
+    result["last_eval"] = last_tau(params["metrics"]) or last_tau_in_log(params["log"])
     if result["state"] == "exited":
         result.update(exit_from_log(tail(params["log"], VERDICT_LINES)))
     return result
