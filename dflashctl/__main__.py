@@ -1,4 +1,7 @@
-"""python -m dflashctl {launch RUN | status | stop}: print the result as JSON."""
+"""python -m dflashctl {launch RUN | status | stop} [--by-host]: print the result as JSON.
+
+Without --by-host: the first host's result (the only host of a one-host inventory); with it:
+{host: result} for every host of group trainers, in inventory order."""
 
 from __future__ import annotations
 
@@ -13,20 +16,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflashctl", description=__doc__)
     parser.add_argument("--inventory", help="inventory path (default: inventory/local)")
     parser.add_argument("--state-dir", help="controller state (default: .state of the checkout)")
+    parser.add_argument("--limit", help="ansible-playbook --limit: only these hosts of group trainers")
     sub = parser.add_subparsers(dest="command", required=True)
-    launch = sub.add_parser("launch", help="launch a run (playbooks/launch.yml)")
+    every = argparse.ArgumentParser(add_help=False)
+    every.add_argument("--by-host", action="store_true", help="every host's result: {host: result}")
+    launch = sub.add_parser("launch", parents=[every], help="launch a run (playbooks/launch.yml)")
     launch.add_argument("run", help="run name, a profile in trainer/runs/")
-    sub.add_parser("status", help="report the recorded run (playbooks/status.yml)")
-    sub.add_parser("stop", help="stop the recorded run (playbooks/stop.yml)")
+    launch.add_argument("--resume", action="store_true", help="continue the run from its checkpoint")
+    sub.add_parser("status", parents=[every], help="report the recorded run (playbooks/status.yml)")
+    sub.add_parser("stop", parents=[every], help="stop the recorded run (playbooks/stop.yml)")
     args = parser.parse_args(argv)
-    controller = Controller(Settings(inventory=args.inventory, state_dir=args.state_dir))
+    controller = Controller(Settings(inventory=args.inventory, state_dir=args.state_dir, limit=args.limit))
     try:
         if args.command == "launch":
-            result = controller.launch(args.run)
+            extravars = {"resume": True} if args.resume else {}
+            launch_run = controller.launch_by_host if args.by_host else controller.launch
+            result = launch_run(args.run, **extravars)
         elif args.command == "status":
-            result = controller.status()
+            result = controller.status_by_host() if args.by_host else controller.status()
         else:
-            result = controller.stop()
+            result = controller.stop_by_host() if args.by_host else controller.stop()
     except PlaybookFailed as failure:
         print(failure, file=sys.stderr)
         return 1

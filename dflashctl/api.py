@@ -32,6 +32,9 @@ class Settings:
     envvars: Mapping[str, str] = field(default_factory=dict)
     # Seconds for one playbook; None: no limit beyond the playbooks' own timeouts.
     timeout: int | None = None
+    # ansible-playbook --limit: a host pattern (status or stop of some hosts; a threaded run on one
+    # host of a larger group). A multi-host launch refuses a limit that leaves hosts of the run out.
+    limit: str | None = None
     # Runner artifact directories kept under state_dir/runner/artifacts.
     keep_artifacts: int = 20
 
@@ -80,32 +83,51 @@ class PlaybookFailed(RuntimeError):
 
 
 class Controller:
-    """Launch, status and stop of DFlash runs on the host ``ct200`` of an inventory."""
+    """Launch, status and stop of DFlash runs on the hosts of group ``trainers`` of an inventory.
+
+    Every call covers every host of the group (one torchrun per host for a multi-host run). The
+    plain methods return the first host's result (the only one on a one-host inventory such as
+    the local default); the ``*_by_host`` methods return every host's, in inventory order.
+    """
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()
 
     def launch(self, run: str, **extravars: Any) -> dict[str, Any]:
-        """Run launch.yml for ``run``; return the run record (run_id, pid, log, ...).
+        """Run launch.yml for ``run``; return the (first host's) run record (run_id, pid, log, ...).
 
         Raises PlaybookFailed when the launch is refused or the trainer does not reach its first
         progress line; the ledger keeps the record of a trainer that was started.
         """
+        return next(iter(self.launch_by_host(run, **extravars).values()))
+
+    def launch_by_host(self, run: str, **extravars: Any) -> dict[str, dict[str, Any]]:
+        """Run launch.yml for ``run``; return every host's run record, by host name."""
         if not isinstance(run, str):
             raise TypeError(RUN_NAME_HINT)
         result = self.run_playbook("launch.yml", {"run": run, **extravars})
-        record = result.facts.get("ct200", {}).get("trainer_run") or result.stats.get("trainer_run")
-        if not record:
+        records = result.stats.get("dflash_launch_by_host") or {
+            host: facts["trainer_run"] for host, facts in result.facts.items() if facts.get("trainer_run")
+        }
+        if not records:
             raise PlaybookFailed(result)
-        return record
+        return records
 
     def status(self, **extravars: Any) -> dict[str, Any]:
-        """Run status.yml; return the status report (state, run, pid, last_progress, last_eval, gpus)."""
+        """Run status.yml; return the (first host's) report: state, run, pid, last_progress, gpus, ..."""
         return self.run_playbook("status.yml", extravars).stats["dflash_status"]
 
+    def status_by_host(self, **extravars: Any) -> dict[str, dict[str, Any]]:
+        """Run status.yml; return every host's report, by host name."""
+        return self.run_playbook("status.yml", extravars).stats["dflash_status_by_host"]
+
     def stop(self, **extravars: Any) -> dict[str, Any]:
-        """Run stop.yml; return what happened (state_before, checkpoint, killed, msg)."""
+        """Run stop.yml; return what happened (on the first host): state_before, checkpoint, killed, msg."""
         return self.run_playbook("stop.yml", extravars).stats["dflash_stop"]
+
+    def stop_by_host(self, **extravars: Any) -> dict[str, dict[str, Any]]:
+        """Run stop.yml; return what happened on every host, by host name."""
+        return self.run_playbook("stop.yml", extravars).stats["dflash_stop_by_host"]
 
     def run_playbook(self, playbook: str, extravars: Mapping[str, Any]) -> PlaybookResult:
         """Run one playbook of playbooks/ and return its result; raise PlaybookFailed on failure."""
@@ -132,6 +154,7 @@ class Controller:
             suppress_env_files=True,
             rotate_artifacts=settings.keep_artifacts,
             timeout=settings.timeout,
+            limit=settings.limit,
             quiet=True,
         )
         result = read_events(playbook, runner)

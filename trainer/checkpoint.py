@@ -63,22 +63,56 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any]) -> Path:
     return final
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
+def read_checkpoint_bytes(path: Path) -> bytes:
+    """The whole file as it is on disk (header and payload), unverified."""
     try:
-        raw = path.read_bytes()
+        return path.read_bytes()
     except OSError as exc:
         raise CheckpointError(f"checkpoint {path} cannot be read: {exc}") from None
+
+
+def split_checkpoint(raw: bytes, origin: object) -> tuple[str, bytes]:
+    """(the SHA-256 hex digest the header names, the payload), both verified: magic, length, checksum."""
     if not raw.startswith(MAGIC):
-        raise CheckpointError(f"checkpoint {path} is not a trainer checkpoint (bad header)")
+        raise CheckpointError(f"checkpoint {origin} is not a trainer checkpoint (bad header)")
     try:
         digest, length, payload = raw[len(MAGIC) :].split(b"\n", 2)
         expected_length = int(length)
     except ValueError:
-        raise CheckpointError(f"checkpoint {path} has a damaged header") from None
+        raise CheckpointError(f"checkpoint {origin} has a damaged header") from None
     if len(payload) != expected_length:
         raise CheckpointError(
-            f"checkpoint {path} is truncated ({len(payload)} of {expected_length} payload bytes)"
+            f"checkpoint {origin} is truncated ({len(payload)} of {expected_length} payload bytes)"
         )
     if hashlib.sha256(payload).hexdigest().encode() != digest:
-        raise CheckpointError(f"checkpoint {path} fails its checksum (corrupt)")
+        raise CheckpointError(f"checkpoint {origin} fails its checksum (corrupt)")
+    return digest.decode(), payload
+
+
+def checkpoint_from_bytes(raw: bytes, origin: object, digest: str | None = None) -> dict[str, Any]:
+    """The state in a checkpoint's bytes (read from a file or received from another rank), verified;
+    `digest`: the payload SHA-256 it must have (the header's is checked against the payload anyway)."""
+    found, payload = split_checkpoint(raw, origin)
+    if digest is not None and found != digest:
+        raise CheckpointError(
+            f"checkpoint {origin} is another checkpoint (SHA-256 {found}, expected {digest})"
+        )
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    return checkpoint_from_bytes(read_checkpoint_bytes(path), path)
+
+
+def header_digest(path: Path) -> str | None:
+    """The payload SHA-256 a checkpoint file's header names (the header alone is read, not verified
+    against the payload), or None where the file is missing or has no such header."""
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(len(MAGIC) + 65)
+    except OSError:
+        return None
+    if not head.startswith(MAGIC) or not head.endswith(b"\n"):
+        return None
+    digest = head[len(MAGIC) : -1]
+    return digest.decode() if re.fullmatch(rb"[0-9a-f]{64}", digest) else None

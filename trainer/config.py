@@ -237,6 +237,10 @@ class ParallelConfig:
     shutdown_timeout_s: int = 120
     """Process topology: how long torchrun waits for the ranks after forwarding SIGTERM (rank 0
     writes its checkpoint meanwhile) before it kills them; also bounds the wait after a rank dies."""
+    rendezvous_timeout_s: int = 600
+    """Process topology on several hosts: how long torchrun waits for every host to join the
+    rendezvous before it gives up (exit 1), so a host whose start failed cannot leave the others
+    waiting forever."""
 
     def problems(self) -> list[str]:
         out = []
@@ -248,6 +252,8 @@ class ParallelConfig:
             out.append(f"parallel.cpu_workers must be at least 1, got {self.cpu_workers}")
         if self.shutdown_timeout_s < 1:
             out.append(f"parallel.shutdown_timeout_s must be at least 1, got {self.shutdown_timeout_s}")
+        if self.rendezvous_timeout_s < 1:
+            out.append(f"parallel.rendezvous_timeout_s must be at least 1, got {self.rendezvous_timeout_s}")
         return out
 
 

@@ -134,7 +134,17 @@ def _build_target(directory: Path, vocab_size: int, eos_id: int, pad_id: int) ->
             model.lm_head.weight.mul_(LM_HEAD_SCALE)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
-    model.save_pretrained(str(directory))
+    # Not model.save_pretrained: under torch.distributed it writes only on global rank 0, and in a
+    # multi-host run the first rank of every other host builds its own host's cache.
+    from safetensors.torch import save_file
+
+    # What save_pretrained records about the weights, so the files are the same as before.
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    model.config.save_pretrained(str(directory))
+    model.generation_config.save_pretrained(str(directory))
+    weights = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _write_data(path: Path) -> None:

@@ -5,7 +5,12 @@ run.topology threaded: exec `python -m trainer TRAINER ARGS`. run.topology proce
 handled so that a clean stop exits 0) with one process per device of this host: its GPUs
 (parallel.devices), or parallel.cpu_workers on CPU. One host:
 `--standalone`; several hosts: `--nnodes M --node-rank R --rdzv-endpoint HOST:PORT --rdzv-id ID`,
-one launch per host, the c10d rendezvous at HOST:PORT (a host of the group; rank 0 lives there).
+one launch per host, the same endpoint and id on every host. The rendezvous is torchrun's static
+one: the host of node rank 0 serves it at HOST:PORT, so HOST must be that host's address, and the
+global ranks follow the node ranks (rank 0, which alone writes the run's output and checkpoints,
+is always on node rank 0). torchrun's dynamic c10d rendezvous would ignore --node-rank and order
+the hosts by name and process id instead, putting rank 0 (and the checkpoints) on any host.
+Every host waits at most parallel.rendezvous_timeout_s for the others to join.
 
 exec keeps the PID, so what a caller recorded (run.sh's PID, Ansible's fact) is torchrun itself:
 the process group leader, which forwards SIGTERM/SIGINT to every rank. torchrun waits
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -42,7 +48,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n")[0])
     parser.add_argument("--nnodes", type=int, default=1, help="hosts in the run (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, help="this host's rank, 0..nnodes-1")
-    parser.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous (nnodes > 1)")
+    parser.add_argument(
+        "--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous, served by node rank 0 (nnodes > 1)"
+    )
     parser.add_argument("--rdzv-id", default="", help="a run id every host of the run shares (nnodes > 1)")
     parser.add_argument("--nproc-per-node", type=int, default=0, help="processes on this host (0: auto)")
     parser.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
@@ -68,6 +76,17 @@ def workers_on_this_host(cfg) -> int:
     return gpus_on_this_host(cfg.parallel.devices) or cfg.parallel.cpu_workers
 
 
+ENDPOINT_RE = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9._-]*):([0-9]{1,5})$")
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why `endpoint` is not HOST:PORT (port 1..65535), or None."""
+    match = ENDPOINT_RE.match(endpoint)
+    if match and 1 <= int(match.group(1)) <= 65535:
+        return None
+    return f"--rdzv-endpoint {endpoint!r} must be HOST:PORT (an address of node rank 0's host, port 1..65535)"
+
+
 def command(launch: argparse.Namespace, trainer_argv: list[str], cfg) -> list[str]:
     if cfg.run.topology == "threaded":
         return [sys.executable, "-m", "trainer", *trainer_argv]
@@ -79,9 +98,10 @@ def command(launch: argparse.Namespace, trainer_argv: list[str], cfg) -> list[st
         torchrun += [
             f"--nnodes={launch.nnodes}",
             f"--node-rank={launch.node_rank}",
-            "--rdzv-backend=c10d",
+            "--rdzv-backend=static",
             f"--rdzv-endpoint={launch.rdzv_endpoint}",
             f"--rdzv-id={launch.rdzv_id}",
+            f"--rdzv-conf=timeout={cfg.parallel.rendezvous_timeout_s}",
         ]
     torchrun += [
         f"--nproc-per-node={nproc}",
@@ -101,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--node-rank {launch.node_rank} must be in 0..{launch.nnodes - 1} (--nnodes)")
     if launch.nnodes > 1 and (not launch.rdzv_endpoint or not launch.rdzv_id):
         problems.append("--nnodes > 1 needs --rdzv-endpoint HOST:PORT and --rdzv-id (the same on every host)")
+    elif launch.nnodes > 1 and (problem := endpoint_problem(launch.rdzv_endpoint)):
+        problems.append(problem)
     if launch.nproc_per_node < 0:
         problems.append(f"--nproc-per-node must not be negative, got {launch.nproc_per_node}")
     args = parse_trainer_args(trainer_argv)

@@ -127,6 +127,31 @@ class ProcessWorld:
         dist.all_gather_object(gathered, obj)
         return gathered
 
+    def broadcast_bytes(self, data: bytes | None, chunk_bytes: int = 64 << 20) -> bytes:
+        """Rank 0's `data` on every rank (a collective; the other ranks pass None). Sent in chunks
+        through this rank's device, so a checkpoint of many GB never needs one tensor of its size
+        (broadcast_object_list would pickle it whole, and on NCCL copy it whole to the GPU)."""
+        if self.is_lead and data is None:
+            raise ValueError("rank 0 must pass the bytes to broadcast")
+        size = torch.tensor([len(data) if self.is_lead else 0], device=self.device)
+        dist.broadcast(size, src=0)
+        total = int(size.item())
+        received = bytearray(0 if self.is_lead else total)
+        for start in range(0, total, chunk_bytes):
+            length = min(chunk_bytes, total - start)
+            if self.is_lead:
+                with warnings.catch_warnings():
+                    # bytes are read-only; the tensor over them is only read (and copied) here.
+                    warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+                    view = torch.frombuffer(data, dtype=torch.uint8, count=length, offset=start)
+                chunk = view.to(self.device, copy=True)
+            else:
+                chunk = torch.empty(length, dtype=torch.uint8, device=self.device)
+            dist.broadcast(chunk, src=0)
+            if not self.is_lead:
+                memoryview(received)[start : start + length] = chunk.cpu().numpy()
+        return data if self.is_lead else bytes(received)
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

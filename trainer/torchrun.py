@@ -7,7 +7,10 @@ exited 0, so its log (which status.yml reads) says "crashed". Here SIGTERM/SIGIN
 forwarded to the ranks (torchrun starts them in sessions of their own, so a signal to torchrun's
 process group does not reach them), and torchrun's monitor sees them finish: exit 0 when every
 rank exited 0 (stopped after the checkpoint), its usual failure report otherwise. Ranks still
-alive --shutdown-timeout seconds after the first signal are killed, as torchrun would.
+alive --shutdown-timeout seconds after the first signal are killed, as torchrun would. A signal
+that comes while no rank runs (a multi-host rendezvous still waiting for its hosts, or the exit
+barrier waiting for the other hosts after this host's ranks finished) ends torchrun at once:
+there is nothing to checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 OWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -61,23 +65,52 @@ def without_option(argv: list[str], option: str) -> list[str]:
     return kept
 
 
+def watch_signals(signals: tuple[signal.Signals, ...], act: Callable[[int], None]) -> None:
+    """Call act(signum) for these signals from a thread of its own, as soon as they arrive.
+
+    A Python signal handler runs in the main thread between bytecodes, and torchrun's main thread
+    can sit in C++ for minutes: a multi-host rendezvous waits inside TCPStore until every host has
+    joined or the rendezvous timeout passes, and a SIGTERM would wait just as long. The interpreter's
+    own C-level handler still writes the signal number to the wakeup fd at once; this thread reads it.
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    for sig in signals:
+        signal.signal(sig, lambda _signum, _frame: None)  # a Python handler, so the wakeup fd is written
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    wanted = {int(sig) for sig in signals}
+
+    def watch() -> None:
+        while True:
+            for signum in os.read(read_fd, 512):
+                if signum in wanted:
+                    act(signum)
+
+    threading.Thread(target=watch, name="signal-watch", daemon=True).start()
+
+
 def main() -> None:
     argv = sys.argv[1:]
     grace = shutdown_timeout(argv)
     first: list[int] = []
 
-    def forward(signum: int, _frame: object) -> None:
+    def forward(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if not first and not child_pids():
+            # No rank running: not started yet (still in the rendezvous, e.g. waiting for a host
+            # that never came), or all done (then torchrun may wait for the other hosts in its exit
+            # barrier). Nothing to checkpoint, nobody to forward to: end now, not at a timeout.
+            print(f"torchrun: {name} while no rank runs (rendezvous or exit barrier): exiting", flush=True)
+            os._exit(128 + signum)
         send_to_children(signum)
         if not first:
             first.append(signum)
-            name = signal.Signals(signum).name
             print(f"torchrun: {name} forwarded to the ranks; waiting up to {grace:.0f}s", flush=True)
             timer = threading.Timer(grace, send_to_children, args=(signal.SIGKILL,))
             timer.daemon = True
             timer.start()
 
-    for sig in OWN_SIGNALS:
-        signal.signal(sig, forward)
+    watch_signals(OWN_SIGNALS, forward)
     # torchrun handles the other signals as usual; these two are ours (read by torchrun at start).
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
     from torch.distributed.run import get_args_parser

@@ -4,7 +4,8 @@
 step; the loop around it logs, evaluates and checkpoints. Model, data, objective, checkpoints and
 metrics do not depend on how workers start: worker threads (topology.py) or one process per device
 under torchrun (process.py). In the process topology every rank runs this same code; rank 0 alone
-writes output, the stop decision and the evaluation's outcome are agreed by all ranks.
+writes the output files, the first rank of every other host prints the same lines to its stdout
+(that host's log), and the stop decision and the evaluation's outcome are agreed by all ranks.
 """
 
 from __future__ import annotations
@@ -12,16 +13,27 @@ from __future__ import annotations
 import datetime
 import json
 import signal
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
-from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    checkpoint_from_bytes,
+    header_digest,
+    list_checkpoints,
+    load_checkpoint,
+    read_checkpoint_bytes,
+    save_checkpoint,
+    split_checkpoint,
+)
 from .config import Config, config_from_dict, dump_config
 from .data import (
     ChatFormat,
@@ -39,7 +51,7 @@ from .embedded import ensure_embedded
 from .environment import resolve_devices
 from .evaluate import acceptance_length
 from .model import target_layer_ids
-from .process import ProcessSetupError, ProcessTopology, ProcessWorld
+from .process import ProcessSetupError, ProcessTopology, ProcessWorld, launched_by_torchrun
 from .replica import Replica
 from .target import load_target, load_tokenizer, num_target_layers
 from .topology import ThreadedTopology
@@ -74,8 +86,29 @@ class Output:
         self.metrics.close()
 
 
+class ConsoleOutput(Output):
+    """Output of local rank 0 on every host but rank 0's (process topology on several hosts): the
+    same lines on stdout, which is that host's run log (launch.yml waits for its progress line,
+    status.yml reads it), and no files: rank 0 alone writes train.log, metrics.jsonl, config.yml
+    and the checkpoints. The values in the lines are global ones (losses and token counts summed
+    over every rank, rank 0's tau), so every host's log shows the same numbers."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def line(self, text: str) -> None:
+        with self.lock:
+            print(text, flush=True)
+
+    def metric(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class NullOutput(Output):
-    """Output of the ranks other than 0 in the process topology: rank 0 alone writes."""
+    """Output of the other ranks in the process topology (one rank per host speaks)."""
 
     def __init__(self):
         pass
@@ -106,9 +139,14 @@ class StopFlag:
 
         self.previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def uninstall(self) -> None:
+    def uninstall(self, ignore_late_signals: bool = False) -> None:
+        """Restore the previous handlers; or, for a rank under torchrun whose run is over, ignore
+        SIGTERM/SIGINT from now on: on several hosts a stop request reaches each host's torchrun
+        at its own moment, and one that arrives after this rank already stopped (the ranks agreed
+        on it when another host's request came) must not kill it on its way out, or torchrun
+        reports a failed rank instead of a clean stop."""
         for sig, previous in getattr(self, "previous", {}).items():
-            signal.signal(sig, previous)
+            signal.signal(sig, signal.SIG_IGN if ignore_late_signals else previous)
 
 
 def format_eta(seconds: float) -> str:
@@ -230,6 +268,88 @@ def check_resumable(state: dict, cfg: Config, workers: int, path: Path) -> None:
         )
 
 
+@dataclass
+class ResumePoint:
+    """The checkpoint a run continues from: rank 0's newest, and how this rank got its state."""
+
+    state: dict
+    path: Path  # the file on rank 0's host
+    how: str = ""  # on ranks of other hosts: "this host's copy <path>" or "received from rank 0"
+
+
+def find_resume_point(
+    cfg: Config, out_dir: Path, workers: int, world: ProcessWorld | None
+) -> ResumePoint | None:
+    """The checkpoint --resume continues from, verified and checked on every rank; None: start at 0.
+
+    Rank 0 decides: its newest checkpoint. No shared storage is needed: a rank whose own --out
+    holds the same file (same name, same payload SHA-256) loads it from there; when any rank lacks
+    it, rank 0 sends the file's bytes to every rank, which verify them as a file read from disk.
+    Every problem is agreed (gathered), so every rank refuses the same way instead of one rank
+    failing while the others wait in a collective. A collective in processes.
+    """
+    directory = out_dir / "checkpoints"
+    if world is None:
+        checkpoints = list_checkpoints(directory)
+        if not checkpoints:
+            return None
+        path = checkpoints[-1][1]
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError as exc:
+            raise BadInput(f"{exc}; move it aside to resume from the one before it") from None
+        check_resumable(state, cfg, workers, path)
+        return ResumePoint(state, path)
+
+    raw, state, chosen, problem = None, None, None, None
+    if world.is_lead:
+        checkpoints = list_checkpoints(directory)
+        if checkpoints:
+            path = checkpoints[-1][1]
+            try:
+                raw = read_checkpoint_bytes(path)
+                digest, _ = split_checkpoint(raw, path)
+                state = checkpoint_from_bytes(raw, path, digest)
+                chosen = (path.name, str(path), digest)
+            except CheckpointError as exc:
+                problem = f"{exc}; move it aside to resume from the one before it"
+    chosen, problem = world.gather((chosen, problem))[0]  # rank 0's decision, on every rank
+    if problem is not None:
+        raise BadInput(problem if world.is_lead else f"rank 0: {problem}")
+    if chosen is None:
+        return None
+    name, lead_path, digest = chosen
+    how = ""
+    if not world.is_lead:
+        own = directory / name
+        if header_digest(own) == digest:
+            try:
+                state, how = load_checkpoint(own), f"this host's copy {own}"
+            except CheckpointError:
+                state = None  # a damaged copy here: take rank 0's
+    problems: list[str] = []
+    if any(world.gather(state is None)):
+        received = world.broadcast_bytes(raw if world.is_lead else None)
+        if state is None:
+            try:
+                state = checkpoint_from_bytes(received, f"{lead_path} (received from rank 0)", digest)
+                how = "received from rank 0"
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        del received
+    del raw
+    if state is not None:
+        try:
+            check_resumable(state, cfg, workers, Path(lead_path))
+        except BadInput as exc:
+            problems.append(str(exc))
+    refused = [(rank, text) for rank, texts in enumerate(world.gather(problems)) for text in texts]
+    if refused:
+        own = [text for rank, text in refused if rank == world.rank]
+        raise BadInput(own[0] if own else f"rank {refused[0][0]}: {refused[0][1]}")
+    return ResumePoint(state, Path(lead_path), how)
+
+
 def restore_state(state: dict, topology: Topology, loader: Loader) -> None:
     for replica in topology.replicas:
         replica.drafter.load_state_dict(state["drafter"])
@@ -292,35 +412,23 @@ def _train(
 ) -> int:
     """The run itself, on every rank alike (threads: one call; processes: one per rank)."""
     lead_rank = world is None or world.is_lead
-    resume_from = None
-    if resume:
-        checkpoints = list_checkpoints(out_dir / "checkpoints")
-        if checkpoints:
-            resume_from = checkpoints[-1][1]
-            try:
-                resume_state = load_checkpoint(resume_from)
-            except CheckpointError as exc:
-                raise BadInput(f"{exc}; move it aside to resume from the one before it") from None
-            check_resumable(resume_state, cfg, workers, resume_from)
-    if world is not None:
-        seen = world.gather(None if resume_from is None else resume_from.name)
-        if len(set(seen)) > 1:
-            raise BadInput(
-                f"--resume: the ranks see different newest checkpoints in {out_dir / 'checkpoints'} "
-                f"({', '.join(map(str, seen))}); every host needs the same --out (shared storage)"
-            )
+    resume_from = find_resume_point(cfg, out_dir, workers, world) if resume else None
 
     if lead_rank:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yml").write_text(dump_config(cfg))
-    out = Output(out_dir) if lead_rank else NullOutput()
+        out: Output = Output(out_dir)
+    elif world is not None and world.local_rank == 0:
+        out = ConsoleOutput()  # the first rank of another host: its host's log
+    else:
+        out = NullOutput()
     topology = None
     stop = StopFlag()
     stop.install()
     try:
         where = ", ".join(map(str, devices))
         if world is not None:
-            where = f"{world.world_size} process(es) ({world.backend}), rank 0 on {where}"
+            where = f"{world.world_size} process(es) ({world.backend}), rank {world.rank} on {where}"
         out.line(
             f"run {cfg.run.name}: topology {cfg.run.topology}, devices {where}, "
             f"compile mode {cfg.compile.mode}, out {out_dir}"
@@ -404,25 +512,37 @@ def _train(
                 devices[0],
                 stop,
             )
-            if agree(tau is None):
+            if world is not None:
+                # Every rank evaluates the same drafter on the same prompts; rank 0's tau is the
+                # one every host logs (CUDA kernels need not agree to the last bit across hosts).
+                taus = world.gather(tau)
+                tau = None if any(value is None for value in taus) else taus[0]
+            if tau is None:
                 return None
-            if tau is not None:
-                out.line(f"eval step {at_step} tau {tau:.3f} prompts {len(eval_prompts)}")
-                out.metric({"kind": "eval", "step": at_step, "tau": tau, "prompts": len(eval_prompts)})
+            out.line(f"eval step {at_step} tau {tau:.3f} prompts {len(eval_prompts)}")
+            out.metric({"kind": "eval", "step": at_step, "tau": tau, "prompts": len(eval_prompts)})
             return tau
 
         def save(at_step: int) -> None:
             state = checkpoint_state(at_step, cfg, topology, loader, tau0)  # a collective in processes
-            if lead_rank:
-                path = save_checkpoint(out_dir / "checkpoints", at_step, state)
+            path = save_checkpoint(out_dir / "checkpoints", at_step, state) if lead_rank else None
+            if world is None or lead_rank:
                 out.line(f"checkpoint saved step {at_step} {path}")
+            if world is not None:
+                # The other hosts log where rank 0 put it once it is there (stop.yml reports
+                # that line on every host); rank 0's file is the run's only checkpoint.
+                host, saved = world.gather((socket.gethostname(), str(path)) if lead_rank else None)[0]
+                if not lead_rank:
+                    out.line(f"checkpoint saved step {at_step} by rank 0 on {host}: {saved}")
 
         step, tau0 = 0, None
         if resume_from is not None:
-            restore_state(resume_state, topology, loader)
-            step = int(resume_state["step"])
-            tau0 = resume_state["tau0"] if resume_state["tau0"] >= 0 else None
-            out.line(f"resumed from {resume_from} at step {step}")
+            restore_state(resume_from.state, topology, loader)
+            step = int(resume_from.state["step"])
+            tau0 = resume_from.state["tau0"] if resume_from.state["tau0"] >= 0 else None
+            how = f" ({resume_from.how})" if resume_from.how else ""
+            out.line(f"resumed from {resume_from.path} at step {step}{how}")
+            resume_from = None  # the state's tensors are in the model now: drop the copy
         if tau0 is None:
             tau0 = evaluate(step)
             if tau0 is None:
@@ -472,7 +592,7 @@ def _train(
         if topology is not None:
             topology.close()
         out.close()
-        stop.uninstall()
+        stop.uninstall(ignore_late_signals=world is not None and launched_by_torchrun())
 
 
 def stopped(out: Output, stop: StopFlag, step: int, save) -> int:

@@ -96,3 +96,23 @@ def is_our_trainer(record: dict) -> bool:
         return False
     fields = stat[stat.rindex(")") + 2 :].split()
     return fields[0] not in ("Z", "X") and int(fields[19]) == record["start_time"]
+
+
+def end_torchruns_of(state_dir: Path) -> None:
+    """SIGTERM (then SIGKILL) a torchrun this test started that no record led to: its cmdline names
+    this test's own state directory. Its ranks follow it (they get SIGTERM when it dies)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = proc.joinpath("cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"trainer.torchrun" in cmdline and any(str(state_dir).encode() in part for part in cmdline):
+            pid = int(proc.name)
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
-from conftest import BUSY, IDLE, ledger, make_controller, stop_leftovers
+from conftest import BUSY, IDLE, end_torchruns_of, ledger, make_controller, stop_leftovers
 
 from dflashctl import Controller, PlaybookFailed
 
@@ -114,11 +113,11 @@ def test_rank_failing_under_torchrun_names_the_ranks_reason(state_dir: Path) -> 
         with pytest.raises(PlaybookFailed) as failure:
             ctl.launch("process")
         message = str(failure.value)
-        assert "exit status: 1 (local rank 0 exited 2, so torchrun stopped the run: bad input: " in message
+        assert "exit status: 2 (bad input: --out " in message, "the rank's verdict, not torchrun's report"
         assert "already holds a run (checkpoint at step 5); pass --resume" in message
         assert existing.read_bytes() == b"an earlier run's checkpoint", "the earlier run is left alone"
         status = ctl.status()
-        assert status["state"] == "exited" and status["exit_status"] == 1
+        assert status["state"] == "exited" and status["exit_status"] == 2
         assert "already holds a run" in status["exit_reason"]
     finally:
         stop_leftovers(ctl, state_dir)
@@ -216,23 +215,3 @@ def test_process_topology_launch_status_stop(state_dir: Path) -> None:
     finally:
         stop_leftovers(ctl, state_dir)
         end_torchruns_of(state_dir)
-
-
-def end_torchruns_of(state_dir: Path) -> None:
-    """SIGTERM (then SIGKILL) a torchrun this test started that no record led to: its cmdline names
-    this test's own state directory. Its ranks follow it (they get SIGTERM when it dies)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = proc.joinpath("cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"trainer.torchrun" in cmdline and any(str(state_dir).encode() in part for part in cmdline):
-            pid = int(proc.name)
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 30
-            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if Path(f"/proc/{pid}").exists():
-                os.kill(pid, signal.SIGKILL)

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
-from trainer.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from trainer.checkpoint import (
+    CheckpointError,
+    checkpoint_from_bytes,
+    header_digest,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from trainer.cli import main
 
 
@@ -19,6 +28,25 @@ def test_round_trip(tmp_path):
     loaded = load_checkpoint(path)
     assert loaded["step"] == 7 and torch.equal(loaded["weights"], _state()["weights"])
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000007.pt"]  # no temporary file left
+
+
+def test_bytes_received_from_another_rank_are_verified_like_a_file(tmp_path):
+    """What rank 0 sends on --resume: the file's bytes, checked against the digest it announced."""
+    path = save_checkpoint(tmp_path, 3, _state())
+    raw = path.read_bytes()
+    digest = header_digest(path)
+    assert digest == hashlib.sha256(raw.split(b"\n", 3)[3]).hexdigest(), (
+        "the header names the payload's SHA-256"
+    )
+    assert checkpoint_from_bytes(raw, "received", digest)["step"] == 7
+    other = save_checkpoint(tmp_path, 4, {**_state(), "step": 8})
+    with pytest.raises(CheckpointError, match="is another checkpoint"):
+        checkpoint_from_bytes(other.read_bytes(), "received", digest)
+    with pytest.raises(CheckpointError, match="truncated"):
+        checkpoint_from_bytes(raw[:-10], "received", digest)
+    assert header_digest(tmp_path / "step_00000099.pt") is None
+    (tmp_path / "foreign.pt").write_bytes(b"not a checkpoint at all")
+    assert header_digest(tmp_path / "foreign.pt") is None
 
 
 def test_truncated_checkpoint_rejected(tmp_path):

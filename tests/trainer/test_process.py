@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,11 +41,11 @@ def losses(out: Path) -> list[float]:
     return [row["loss"] for row in rows if row["kind"] == "train"]
 
 
-def launch(*args: str, log: Path) -> subprocess.Popen:
-    """python -m trainer.launch -- ARGS, detached into its own session, output to log."""
+def launch(*args: str, log: Path, options: tuple[str, ...] = ()) -> subprocess.Popen:
+    """python -m trainer.launch OPTIONS -- ARGS, detached into its own session, output to log."""
     with log.open("ab") as handle:
         return subprocess.Popen(
-            [sys.executable, "-m", "trainer.launch", "--", *args],
+            [sys.executable, "-m", "trainer.launch", *options, "--", *args],
             cwd=REPO,
             stdin=subprocess.DEVNULL,
             stdout=handle,
@@ -184,6 +186,149 @@ def test_sigterm_then_a_dead_rank_then_resume(embedded, cache_dir, tmp_path):
     assert f"done: step {last + 1}" in text()
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    """Something listens on this TCP port, on any address (read from /proc, without connecting)."""
+    rows = [
+        row.split()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6")
+        if Path(table).exists()
+        for row in Path(table).read_text().splitlines()[1:]
+    ]
+    return any(row[1].endswith(f":{port:04X}") and row[3] == "0A" for row in rows)
+
+
+def progress(text: str) -> list[str]:
+    """The progress lines' global part (step, loss, lr): tok/s and eta are each host's own timing."""
+    return [" ".join(line.split()[:6]) for line in text.splitlines() if line.startswith("step ")]
+
+
+def test_two_hosts_without_shared_storage_resume_from_rank_0(embedded, cache_dir, tmp_path, monkeypatch):
+    """Two "hosts" (one gloo rank each, a static rendezvous on loopback), each with its own --out:
+    rank 0 alone writes files and host 1 logs the same progress; SIGTERM to host 1 stops both with
+    rank 0's checkpoint; on --resume host 1 first receives that checkpoint from rank 0, later loads
+    its own copy of one; the losses are those of an uninterrupted run. Nothing is shared but the
+    rendezvous: not the output, not the cache."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the two "hosts" talk over loopback only
+    outs = [tmp_path / "host0", tmp_path / "host1"]
+    logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
+    # Host 1 builds the embedded target into a cache of its own, as a separate machine would.
+    caches = [cache_dir, tmp_path / "host1-cache"]
+    steps = 300  # enough that each SIGTERM comes mid-run (a tiny step takes milliseconds)
+    common = [
+        "--run",
+        "process",
+        *TINY,
+        f"--steps={steps}",
+        "--set=train.checkpoint_every=0",
+        "--set=parallel.rendezvous_timeout_s=120",
+        "--set=parallel.step_timeout_s=120",
+    ]
+
+    def run_both(*args: str, signal_host: int | None = None, after: str = "") -> list[str]:
+        """Run both hosts (host 1 starts first: it waits for the rendezvous host 0 serves), and
+        SIGTERM one of them once its log shows `after`. Returns what each log gained."""
+        port = free_port()
+        before = [log.read_text() if log.exists() else "" for log in logs]
+        gained = lambda rank: logs[rank].read_text()[len(before[rank]) :]  # noqa: E731
+        procs: dict[int, subprocess.Popen] = {}
+        try:
+            for rank in (1, 0):
+                options = (
+                    "--nnodes=2",
+                    f"--node-rank={rank}",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    "--rdzv-id=two-hosts",
+                )
+                own = ["--out", str(outs[rank]), f"--set=data.cache_dir={caches[rank]}"]
+                procs[rank] = launch(*common, *args, *own, log=logs[rank], options=options)
+            if signal_host is not None:
+                wait_for(lambda: after in gained(signal_host), 240, after, procs[signal_host])
+                procs[signal_host].send_signal(signal.SIGTERM)
+            codes = [procs[rank].wait(timeout=240) for rank in (0, 1)]
+        finally:
+            for proc in procs.values():
+                end(proc)
+        texts = [gained(0), gained(1)]
+        assert codes == [0, 0], texts
+        return texts
+
+    first = run_both(signal_host=1, after="step 2/")
+    assert "topology process, devices 2 process(es) (gloo), rank 0 on cpu" in first[0]
+    assert "rank 1 on cpu" in first[1]
+    assert progress(first[1]) == progress(first[0]) and len(progress(first[0])) >= 2, first
+    stopped = int(first[0].split("stopped at step ")[1].split()[0])
+    assert 2 <= stopped < steps, first[0]
+    lead_checkpoint = outs[0] / "checkpoints" / f"step_{stopped:08d}.pt"
+    assert f"checkpoint saved step {stopped} {lead_checkpoint}" in first[0]
+    assert (
+        f"checkpoint saved step {stopped} by rank 0 on {socket.gethostname()}: {lead_checkpoint}" in first[1]
+    )
+    assert f"stopped at step {stopped}" in first[1]
+    assert not outs[1].exists(), "host 1 writes nothing: no train.log, metrics or checkpoints"
+
+    second = run_both("--resume", signal_host=0, after=f"step {stopped + 1}/")
+    assert f"resumed from {lead_checkpoint} at step {stopped}\n" in second[0]
+    assert f"resumed from {lead_checkpoint} at step {stopped} (received from rank 0)" in second[1]
+    assert progress(second[1]) == progress(second[0]), second
+    assert not outs[1].exists()
+    again = int(second[0].split("stopped at step ")[1].split()[0])
+    assert again > stopped
+
+    # Host 1 holds rank 0's newest file now (as with shared storage): it loads its own copy.
+    copy = outs[1] / "checkpoints" / f"step_{again:08d}.pt"
+    copy.parent.mkdir(parents=True)
+    shutil.copyfile(outs[0] / "checkpoints" / copy.name, copy)
+    third = run_both("--resume")
+    assert f"at step {again} (this host's copy {copy})" in third[1], third[1]
+    assert f"done: step {steps}" in third[0] and f"done: step {steps}" in third[1]
+
+    reference = run_trainer(
+        "--run",
+        "eager",
+        *TINY,
+        f"--steps={steps}",
+        f"--set=data.cache_dir={cache_dir}",
+        "--set=train.checkpoint_every=0",
+        "--set=parallel.cpu_workers=2",
+        "--out",
+        str(tmp_path / "reference"),
+    )
+    assert reference.returncode == 0, reference.stderr
+    rows = [json.loads(line) for line in (outs[0] / "metrics.jsonl").read_text().splitlines()]
+    by_step = {row["step"]: row["loss"] for row in rows if row["kind"] == "train"}  # the last per step
+    assert sorted(by_step) == list(range(1, steps + 1))
+    expected = losses(tmp_path / "reference")
+    assert [by_step[step] for step in sorted(by_step)] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_sigterm_while_the_rendezvous_waits_ends_torchrun_at_once(tmp_path):
+    """Node rank 0 of two, its peer never comes: torchrun waits in the rendezvous (in C++, where a
+    Python signal handler would only run after parallel.rendezvous_timeout_s). SIGTERM ends it now."""
+    port, log = free_port(), tmp_path / "alone.log"
+    options = ("--nnodes=2", "--node-rank=0", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=alone")
+    args = ["--run", "process", "--set=parallel.devices=cpu", "--set=parallel.rendezvous_timeout_s=300"]
+    proc = launch(*args, "--out", str(tmp_path / "out"), log=log, options=options)
+    try:
+        wait_for(lambda: listening(port), 120, "the rendezvous to listen", proc)
+        time.sleep(1)  # well inside the wait for the other host
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        end(proc)
+    assert code == 128 + signal.SIGTERM, log.read_text()
+    assert took < 10, f"torchrun took {took:.0f}s to end after SIGTERM"
+    assert "torchrun: SIGTERM while no rank runs (rendezvous or exit barrier): exiting" in log.read_text()
+    assert not (tmp_path / "out").exists()
+
+
 def run_trainer_process(*args: str, log: Path) -> int:
     proc = launch(*args, log=log)
     try:
@@ -192,26 +337,25 @@ def run_trainer_process(*args: str, log: Path) -> int:
         end(proc)
 
 
-def test_launch_refuses_bad_input_before_starting(tmp_path):
+@pytest.mark.parametrize(
+    ("options", "problem"),
+    [
+        (["--nnodes=2"], "--rdzv-endpoint"),
+        (["--nnodes=2", "--rdzv-endpoint=127.0.0.1", "--rdzv-id=r"], "must be HOST:PORT"),
+        (["--nnodes=2", "--rdzv-endpoint=127.0.0.1:65536", "--rdzv-id=r"], "port 1..65535"),
+        (["--nnodes=2", "--node-rank=2", "--rdzv-endpoint=h:29400", "--rdzv-id=r"], "--node-rank 2"),
+    ],
+)
+def test_launch_refuses_bad_input_before_starting(tmp_path, options, problem):
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer.launch",
-            "--nnodes=2",
-            "--",
-            "--run",
-            "process",
-            "--out",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "trainer.launch", *options, "--", "--run", "process", "--out", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 2
-    assert "--rdzv-endpoint" in result.stderr
+    assert problem in result.stderr
 
 
 def test_launch_command_per_topology(tmp_path):
@@ -240,8 +384,10 @@ def test_launch_command_per_topology(tmp_path):
         "--run",
         "process",
     )
+    # The static rendezvous keeps the node ranks (c10d would ignore them): rank 0 is on node rank 0.
     assert (
-        "--nnodes=2 --node-rank=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29555 --rdzv-id=r1" in nodes
+        "--nnodes=2 --node-rank=1 --rdzv-backend=static --rdzv-endpoint=127.0.0.1:29555 --rdzv-id=r1 "
+        "--rdzv-conf=timeout=600 " in nodes
     )
     threaded = dry("--", "--run", "nographs")
     assert "-m trainer --run nographs" in threaded and "torch.distributed" not in threaded

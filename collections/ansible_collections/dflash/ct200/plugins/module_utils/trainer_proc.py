@@ -13,6 +13,9 @@ import re
 from itertools import pairwise
 
 PROGRESS_RE = re.compile(r"^step \d+/\d+ ")
+# Lines of the log read for how the trainer ended: torchrun's failure report alone is some 40 lines,
+# and the trainer's own verdict (an `error: ...` line) comes before it.
+VERDICT_LINES = 400
 CHECKPOINT_RE = re.compile(r"^checkpoint saved step \d+ ")
 
 
@@ -120,12 +123,52 @@ def last_tau(metrics_path: str | None) -> dict | None:
     return None
 
 
-# torchrun's line for a failed rank: "... api.py:986] failed (exitcode: 2) local_rank: 0 (pid: 3739) ...".
-RANK_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+EVAL_RE = re.compile(r"^eval step (\d+) tau ([0-9.]+) prompts (\d+)")
 
 
-def _trainer_ending(lines: list[str]) -> dict | None:
-    """The trainer's own last word: finished, stopped, bad input (error: ...) or a crash."""
+def last_tau_in_log(log_path: str | None) -> dict | None:
+    """The latest evaluation line of the log as a metrics row, or None: what a host other than rank
+    0's has (in a multi-host run rank 0 alone writes metrics.jsonl; every host logs the line)."""
+    for line in reversed(tail(log_path, 2000)):
+        match = EVAL_RE.match(line)
+        if match:
+            step, tau, prompts = match.groups()
+            return {"kind": "eval", "step": int(step), "tau": float(tau), "prompts": int(prompts)}
+    return None
+
+
+# torchrun's own report of a failed rank (process topology): "... failed (exitcode: 2) local_rank: 0 ...".
+TORCHRUN_FAILED_RE = re.compile(r"\bfailed \(exitcode: (-?\d+)\) local_rank: \d+")
+
+
+def exit_from_log(lines: list[str]) -> dict:
+    """What the log says about how the trainer ended (the exit status is only knowable from it:
+    the trainer is not a child of the module, so nobody here can wait() for it).
+
+    Under torchrun (process topology) the log ends with torchrun's report of the first rank that
+    failed, its traceback and exit code: the trainer's own verdict is in the lines before that
+    report (an `error: ...` line, a traceback), and the rank's exit code is the run's status.
+    """
+    for index, line in enumerate(lines):
+        match = TORCHRUN_FAILED_RE.search(line)
+        if match:
+            code = int(match.group(1))
+            own = _verdict(lines[:index])
+            if own["exit_status"] is not None:
+                return own
+            what = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            return {"exit_status": code, "exit_reason": f"a rank {what} (torchrun's report in the log)"}
+    return _verdict(lines)
+
+
+def describe_exit(verdict: dict) -> str:
+    """`2 (bad input: ...)`, or that the log does not tell, for messages."""
+    if verdict.get("exit_status") is None:
+        return "unknown (the log does not say)"
+    return f"{verdict['exit_status']} ({verdict['exit_reason']})"
+
+
+def _verdict(lines: list[str]) -> dict:
     for line in reversed(lines):
         if line.startswith("done: "):
             return {"exit_status": 0, "exit_reason": "finished"}
@@ -135,24 +178,4 @@ def _trainer_ending(lines: list[str]) -> dict | None:
             return {"exit_status": 2, "exit_reason": "bad input: " + line[len("error: ") :]}
         if line.startswith("Traceback ") or line.startswith("RuntimeError") or "Error: " in line:
             return {"exit_status": 1, "exit_reason": "crashed: " + line}
-    return None
-
-
-def exit_from_log(lines: list[str]) -> dict:
-    """What the log says about how the trainer ended (the exit status is only knowable from it:
-    the trainer is not a child of the module, so nobody here can wait() for it).
-
-    Process topology: when a rank fails, torchrun appends its own traceback and failure report
-    (ChildFailedError) after the rank's output; the reason is the rank's, read above that report.
-    """
-    for index, line in enumerate(lines):
-        failed = RANK_FAILED_RE.search(line)
-        if failed:
-            rank_code, local_rank = failed.groups()
-            ending = _trainer_ending(lines[:index])
-            why = ending["exit_reason"] if ending else "the log does not say why"
-            reason = f"local rank {local_rank} exited {rank_code}, so torchrun stopped the run: {why}"
-            # 1: torchrun's own exit status when a rank fails.
-            return {"exit_status": 1, "exit_reason": reason}
-    ending = _trainer_ending(lines)
-    return ending or {"exit_status": None, "exit_reason": "unknown (killed, or the log says nothing)"}
+    return {"exit_status": None, "exit_reason": "unknown (killed, or the log says nothing)"}

@@ -9,7 +9,8 @@ short_description: Inspect a DFlash trainer process, its log and the host's GPUs
 description:
   - Classifies a recorded trainer as C(none), C(running), C(exited) or C(not_ours) (its PID now
     belongs to another process, or the host rebooted), from the PID, its start time and the boot id.
-  - Reports the latest progress line, the latest tau of C(metrics.jsonl) and the log's tail.
+  - Reports the latest progress line, the latest tau of C(metrics.jsonl) (else of the log's last
+    C(eval step) line, as on the hosts of a multi-host run that do not hold rank 0) and the log's tail.
   - With O(wait_for), waits until a log line matches while the trainer lives, and fails with the
     exit status (as far as the log tells) and the log's tail when it dies or the time runs out.
   - With O(gpus), also reads GPU usage with C(nvidia-smi) (C(--query-gpu=index,memory.used,utilization.gpu),
@@ -97,7 +98,7 @@ last_progress:
   type: str
   returned: always
 last_eval:
-  description: The latest eval row of metrics.jsonl (step, tau, prompts).
+  description: The latest eval row of metrics.jsonl, else of the log (step, tau, prompts).
   type: dict
   returned: always
 log_tail:
@@ -125,10 +126,13 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.dflash.ct200.plugins.module_utils.gpu import gpu_report
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     PROGRESS_RE,
+    VERDICT_LINES,
     boot_id,
+    describe_exit,
     exit_from_log,
     last_matching,
     last_tau,
+    last_tau_in_log,
     probe,
     tail,
 )
@@ -143,10 +147,9 @@ def report(module: AnsibleModule) -> dict:
     log_tail = tail(params["log"], params["tail_lines"])
     result["log_tail"] = log_tail
     result["last_progress"] = last_matching(params["log"], PROGRESS_RE)
-    result["last_eval"] = last_tau(params["metrics"])
+    result["last_eval"] = last_tau(params["metrics"]) or last_tau_in_log(params["log"])
     if result["state"] == "exited":
-        # A wider window than the tail shown: torchrun's failure report alone is about 30 lines.
-        result.update(exit_from_log(tail(params["log"], 400)))
+        result.update(exit_from_log(tail(params["log"], VERDICT_LINES)))
     return result
 
 
@@ -165,9 +168,7 @@ def wait(module: AnsibleModule, pattern: re.Pattern[str]) -> dict:
         if result["state"] != "running":
             time.sleep(POLL_S)  # let an exiting trainer's last lines reach the log
             result = report(module)
-            status = result.get("exit_status")
-            shown = "unknown" if status is None else str(status)
-            shown += f" ({result.get('exit_reason', 'the log does not say why')})"
+            shown = describe_exit(result)
             module.fail_json(
                 msg=(
                     f"the trainer (PID {params['pid']}) is {result['state'].replace('_', ' ')} before "

@@ -88,6 +88,8 @@ import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
+    VERDICT_LINES,
+    describe_exit,
     exit_from_log,
     is_trainer_cmdline,
     probe,
@@ -129,10 +131,11 @@ def main() -> None:
         supports_check_mode=True,
     )
     params = module.params
+    if module.check_mode:
+        # Before the script check: in check mode the workspace role has only said what it would write.
+        module.exit_json(changed=True, msg=f"would start {params['script']} detached (log {params['log']})")
     if not os.access(params["script"], os.X_OK):
         module.fail_json(msg=f"{params['script']} is missing or not executable: run the workspace role first")
-    if module.check_mode:
-        module.exit_json(changed=True, msg=f"would start {params['script']} detached (log {params['log']})")
 
     kept = keep_earlier_log(params["log"])
     with open(params["log"], "wb") as log, open(os.devnull, "rb") as devnull:
@@ -165,9 +168,7 @@ def main() -> None:
         if alive:
             what = "is not the trainer: " + (" ".join(current["cmdline"]) or "(empty command line)")
         else:
-            status = exit_from_log(log_tail)["exit_status"]
-            shown = "unknown (the log does not say)" if status is None else str(status)
-            what = f"exited; exit status: {shown}"
+            what = f"exited; exit status: {describe_exit(exit_from_log(tail(params['log'], VERDICT_LINES)))}"
         module.fail_json(
             msg=(
                 f"{params['script']} started as PID {pid} (run {params['run']}) but it {what}. "

@@ -56,7 +56,10 @@ state_before:
   type: str
   returned: always
 checkpoint:
-  description: The checkpoint line the trainer logged after the signal, if any.
+  description:
+    - The checkpoint line the trainer logged after the signal, if any; on a host of a multi-host
+      run whose ranks had already begun to stop (another host was signalled first), the checkpoint
+      line of that stop.
   type: str
   returned: when it was signalled
 killed:
@@ -70,6 +73,7 @@ stopped_in_s:
 """
 
 import os
+import re
 import signal
 import time
 
@@ -82,6 +86,7 @@ from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
 
 POLL_S = 0.2
 KILL_WAIT_S = 10.0
+STOP_START_RE = re.compile(r"^signal \S+.*: checkpointing and exiting")
 
 
 def log_size(path: str | None) -> int:
@@ -100,6 +105,17 @@ def new_lines(path: str | None, offset: int) -> list[str]:
             return handle.read().decode("utf-8", "replace").splitlines()
     except OSError:
         return []
+
+
+def stop_checkpoint_before(path: str | None) -> str | None:
+    """The checkpoint line of a stop that began before our SIGTERM, or None. On several hosts the
+    ranks stop together as soon as any host's torchrun is signalled, so this host may have logged
+    `signal ...: checkpointing and exiting` and its checkpoint line just before its own signal."""
+    lines = tail(path, 50)
+    starts = [i for i, line in enumerate(lines) if STOP_START_RE.search(line)]
+    if not starts:
+        return None
+    return next((line for line in reversed(lines[starts[-1] :]) if CHECKPOINT_RE.search(line)), None)
 
 
 def gone(module: AnsibleModule) -> bool:
@@ -153,6 +169,8 @@ def main() -> None:
     result["stopped_in_s"] = round(time.monotonic() - started, 2)
     after = new_lines(params["log"], offset)
     result["checkpoint"] = next((line for line in reversed(after) if CHECKPOINT_RE.search(line)), None)
+    if result["checkpoint"] is None:
+        result["checkpoint"] = stop_checkpoint_before(params["log"])
     result["log_tail"] = tail(params["log"], params["tail_lines"])
     if not exited:
         module.fail_json(
