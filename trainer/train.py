@@ -366,7 +366,7 @@ def restore_state(state: dict, topology: Topology, loader: Loader) -> None:
         torch.cuda.set_rng_state(rng, torch.device(device))
 
 
-def train_step(topology: Topology, loader: Loader) -> tuple[float, int, float]:
+def train_step(topology: Topology, loader: Loader) -> tuple[float, int, torch.Tensor]:
     """One optimisation step: the next global batch through every worker, averaged, applied."""
     input_ids, loss_mask = loader.next_batch()
     return topology.step(input_ids, loss_mask)
