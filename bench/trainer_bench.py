@@ -241,12 +241,10 @@ def run_threaded(name, shape, devices, targets, args, out_dir) -> dict:
     started = time.perf_counter()
     layer_ids = target_layer_ids(shape.layers, shape.context_layers)
     torch.manual_seed(0)
-    replicas = [
-        Replica(cfg, device, target, layer_ids, mask_id=shape.vocab - 1, rank=rank)
-        for rank, (device, target) in enumerate(zip(devices, targets, strict=True))
-    ]
-    for replica in replicas[1:]:
-        replica.drafter.load_state_dict(replicas[0].drafter.state_dict())
+    replicas: list[Replica] = []
+    for rank, (device, target) in enumerate(zip(devices, targets, strict=True)):
+        first = replicas[0] if replicas else None
+        replicas.append(Replica(cfg, device, target, layer_ids, shape.vocab - 1, rank, copy_of=first))
     topology = ThreadedTopology(replicas, cfg.parallel.step_timeout_s, log)
     try:
         global_batch = shape.batch * len(devices)

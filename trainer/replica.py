@@ -48,7 +48,14 @@ def resolve_attention(choice: str, device: torch.device, compile_mode: str) -> s
 
 class Replica:
     def __init__(
-        self, cfg: Config, device: torch.device, target, layer_ids: list[int], mask_id: int, rank: int
+        self,
+        cfg: Config,
+        device: torch.device,
+        target,
+        layer_ids: list[int],
+        mask_id: int,
+        rank: int,
+        copy_of: Replica | None = None,
     ):
         self.cfg = cfg
         self.device = device
@@ -57,7 +64,15 @@ class Replica:
         self.mask_id = mask_id
         self.rank = rank
         shape = DrafterShape.from_target(target.config, cfg.drafter.num_layers, len(layer_ids))
-        self.drafter = DFlashDrafter(shape, shared_parts(target)).to(device)
+        if copy_of is None:
+            self.drafter = DFlashDrafter(shape, shared_parts(target)).to(device)
+        else:
+            # Another worker's replica: its weights are copied from the first one, so skip the
+            # random initialisation (seconds on the CPU for the ~1B parameters of an 8B target).
+            with torch.device("meta"):
+                drafter = DFlashDrafter(shape, shared_parts(target))
+            self.drafter = drafter.to_empty(device=device)
+            self.drafter.load_state_dict(copy_of.drafter.state_dict())
         self.attention = resolve_attention(cfg.drafter.attention, device, cfg.compile.mode)
         self.objective = DrafterObjective(self.drafter, self.attention, cfg.drafter.loss_chunk)
         self.module: torch.nn.Module = self.objective

@@ -167,3 +167,25 @@ def test_nccl_exchange_across_gpus(bucket_bytes):
                 assert torch.allclose(param.grad.cpu(), want, atol=1e-5)
     finally:
         exchange.close()
+
+
+def test_another_workers_replica_copies_the_first_ones_weights():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trainer.config import load_config
+    from trainer.replica import Replica
+
+    cfg = load_config("eager", sets=["drafter.num_layers=2", "parallel.devices=cpu"])
+    shape = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    target = Qwen3ForCausalLM(shape).eval().requires_grad_(False)
+    torch.manual_seed(0)
+    first = Replica(cfg, torch.device("cpu"), target, [1, 3], 63, 0)
+    second = Replica(cfg, torch.device("cpu"), target, [1, 3], 63, 1, copy_of=first)
+    mine, theirs = first.drafter.state_dict(), second.drafter.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[key], theirs[key]) for key in mine)
+    assert all(mine[key].data_ptr() != theirs[key].data_ptr() for key in mine), "copies, not shared"
+    assert second.drafter.shared.embed is first.drafter.shared.embed  # the target's, not copied
