@@ -366,7 +366,7 @@ def restore_state(state: dict, topology: Topology, loader: Loader) -> None:
         torch.cuda.set_rng_state(rng, torch.device(device))
 
 
-def train_step(topology: Topology, loader: Loader) -> tuple[float, int, float]:
+def train_step(topology: Topology, loader: Loader) -> tuple[float, int, torch.Tensor]:
     """One optimisation step: the next global batch through every worker, averaged, applied."""
     input_ids, loss_mask = loader.next_batch()
     return topology.step(input_ids, loss_mask)
@@ -465,9 +465,8 @@ def _train(
             replicas.append(Replica(cfg, devices[0], lead_target, layer_ids, mask_id, world.rank))
         for rank, device in enumerate(devices if world is None else []):
             target = lead_target if rank == 0 else load_target(target_path, device, cfg.model.dtype)
-            replicas.append(Replica(cfg, device, target, layer_ids, mask_id, rank))
-        for replica in replicas[1:]:
-            replica.drafter.load_state_dict(replicas[0].drafter.state_dict())
+            first = replicas[0] if replicas else None  # the others copy its weights
+            replicas.append(Replica(cfg, device, target, layer_ids, mask_id, rank, copy_of=first))
         n_params = sum(p.numel() for p in replicas[0].params)
         out.line(
             f"drafter: {cfg.drafter.num_layers} layers, {n_params / 1e6:.2f}M trainable parameters, "
