@@ -1,3 +1,5 @@
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Read GPU usage with nvidia-smi and judge whether every GPU is idle.
 
 A GPU is busy when its used memory or utilization is above a threshold, or a compute process

@@ -1,4 +1,6 @@
 #!/usr/bin/python
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Write a set of files into a directory in one module run, only those whose content or mode differs."""
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ options:
     type: path
     required: true
   files:
-    description: The files, each with C(path) (relative, no C(..)), C(content_b64) and C(mode).
+    description:
+      - The files, each with C(path) (relative to O(dest), no C(..), no empty or absolute parts),
+        C(content_b64) (the content, base64) and C(mode) (octal string, default C(0640)).
+      - A path that is not plain and relative fails the module before anything is written.
     type: list
     elements: dict
     required: true
@@ -35,7 +40,7 @@ options:
     type: str
     default: "0750"
 author:
-  - DFlash CT 200 team
+  - DFlash CT 200 team (!UNKNOWN)
 """
 
 EXAMPLES = r"""
