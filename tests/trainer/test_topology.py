@@ -9,6 +9,8 @@ import torch
 
 from trainer.topology import average_gradients
 
+pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
+
 
 def _replicas(devices, grads_per_replica):
     replicas = []
