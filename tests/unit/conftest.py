@@ -5,10 +5,18 @@ lookups and callbacks get their options from their DOCUMENTATION as they do in a
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
+
+# Importing ansible replaces sys.intern (ansible.module_utils._internal._patches), and torch._dynamo,
+# when it is first imported, registers a stand-in for sys.intern and refuses one that is not a
+# function. The trainer tests run in this same pytest process: import dynamo first.
+with contextlib.suppress(ImportError):
+    import torch._dynamo  # noqa: F401
+
 from ansible.plugins.loader import init_plugin_loader
 
 COLLECTIONS = Path(__file__).resolve().parents[2] / "collections"
