@@ -5,6 +5,7 @@
 #   ./dev.sh launch [RUN]   launch a run on the local default (default RUN: nographs)
 #   ./dev.sh status         report the recorded run
 #   ./dev.sh stop           stop it (SIGTERM, checkpoint, exit)
+#                           (more arguments go to ansible-playbook: -e resume=true, -i inventory/pair)
 #   ./dev.sh fast           ruff, ansible-lint (production), the unit tests (pytest -m unit)
 #   ./dev.sh sanity         ansible-test sanity for the collection dflash.ct200
 #   ./dev.sh test           everything: ruff, ansible-lint, sanity, pytest, molecule (default, proxmox)
@@ -65,15 +66,19 @@ PATH="$VENV/bin:$PATH"
 export PATH
 case "$command" in
     setup) ;;
-    launch) exec ansible-playbook playbooks/launch.yml -e "run=${1:-nographs}" ;;
-    status) exec ansible-playbook playbooks/status.yml ;;
-    stop) exec ansible-playbook playbooks/stop.yml ;;
+    launch)
+        run=${1:-nographs}
+        [ $# -gt 0 ] && shift
+        exec ansible-playbook playbooks/launch.yml -e "run=$run" "$@"
+        ;;
+    status) exec ansible-playbook playbooks/status.yml "$@" ;;
+    stop) exec ansible-playbook playbooks/stop.yml "$@" ;;
     fast) run_fast ;;
     sanity) exec scripts/collection_sanity.sh "$@" ;;
     test) run_tests ;;
     bench) exec python scripts/bench_launch.py "$@" ;;
     *)
-        sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
+        sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2
         exit 2
         ;;
 esac
