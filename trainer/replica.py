@@ -1,7 +1,8 @@
 """One replica of the training state on one device: target, drafter, compiled objective, optimizer.
 
-Independent of how workers are started: the threaded topology drives one Replica per worker thread,
-the process topology (torchrun) one per process, through the same methods.
+Independent of how workers are started: the threaded topology drives one Replica per worker thread;
+the process topology (torchrun) drives one per rank, its objective wrapped in DDP, through the same
+methods.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 REPO = Path(__file__).resolve().parents[2]
 PATH = REPO / "collections/ansible_collections/dflash/ct200/plugins/module_utils/trainer_proc.py"
 spec = importlib.util.spec_from_file_location("trainer_proc", PATH)

@@ -10,6 +10,7 @@ from trainer.model import DFlashDrafter, DrafterShape, target_layer_ids
 from trainer.target import shared_parts
 
 VOCAB, BLOCK, MASK_ID, NO_EOS = 60, 4, 59, -1
+pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 CPU = torch.device("cpu")
 
 

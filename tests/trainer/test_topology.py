@@ -11,6 +11,8 @@ import torch
 from trainer.exchange import GradientExchange, plan_buckets
 from trainer.topology import scale_gradients
 
+pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
+
 
 class Tiny(torch.nn.Module):
     """Three parameters, one of them unused by forward (its bucket must still complete)."""
