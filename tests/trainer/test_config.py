@@ -182,6 +182,7 @@ BAD_INPUT = [
     (["--run", "nographs", "--set", "data.train_file=/nonexistent/chat.jsonl"], "data.train_file"),
     (["--run", "nographs", "--set", "parallel.devices=cuda:3"], "cuda:3 is not usable here"),
     (["--run", "nographs", "--set", "compile.mode=reduce-overhead"], "thread-local storage"),
+    (["--run", "nographs", "--set", "parallel.bucket_mb=0"], "parallel.bucket_mb must be at least 1"),
     (["--run", "nographs", "--config", "/nonexistent/machine.yml"], "does not exist"),
 ]
 
