@@ -28,24 +28,33 @@ class FunctionRecompiles:
     last_reason: str = ""
 
 
+def compilation_records() -> list:
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+    except ImportError:  # a torch without these records: nothing to watch
+        return []
+    return list(get_compilation_metrics())
+
+
 @dataclass
 class RecompileWatch:
+    """Counts the compiles made after it was created (Dynamo keeps the latest 64 records; the
+    watch is polled at every progress line, far more often than that many compiles happen)."""
+
     bound: int = RECOMPILE_BOUND
-    seen: set[str] = field(default_factory=set)
+    seen: list = field(default_factory=compilation_records)
+    """The records already counted, kept by identity: compile ids repeat after torch._dynamo.reset()."""
     functions: dict[str, FunctionRecompiles] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
 
     def poll(self) -> list[str]:
         """Warnings for functions that crossed the bound since the last poll (each warned once)."""
-        try:
-            from torch._dynamo.utils import get_compilation_metrics
-        except ImportError:  # a torch without these records: nothing to watch
-            return []
-        for record in get_compilation_metrics():
-            compile_id = str(record.compile_id)
-            if compile_id in self.seen:
+        records = compilation_records()
+        counted = {id(record) for record in self.seen}
+        for record in records:
+            if id(record) in counted:
                 continue
-            self.seen.add(compile_id)
+            compile_id = str(record.compile_id)
             frame = COMPILE_ID_RE.search(compile_id)
             key = frame.group(1) if frame else compile_id
             function = self.functions.setdefault(key, FunctionRecompiles())
@@ -55,6 +64,7 @@ class RecompileWatch:
             if record.recompile_reason:
                 function.count += 1
                 function.last_reason = str(record.recompile_reason).strip()
+        self.seen = records
         lines = []
         for key, function in self.functions.items():
             if function.count > self.bound and key not in self.warned:
