@@ -13,16 +13,19 @@ drafter on the same prompts (the first pays the compiles, the second is the stea
 - per-shape: the compiled layers fed every shape as it comes (what evaluation did before: one
   recompile per new shape until Dynamo's recompile limit, then eager).
 Printed side by side: seconds of the first and the second evaluation, compiles (Dynamo's records),
-and tau (equal in every way, or the comparison means nothing). The target has random weights and
-the prompts are random tokens; a random drafter gains about one token per verify step, the most
-verify steps (and so the most shapes) per generated token.
+and tau (equal in every way, or the comparison means nothing). Compiles start from an empty
+Inductor cache by default (`--cache warm`: from the one earlier runs on this machine filled). The
+target has random weights and the prompts are random tokens; a random drafter gains about one
+token per verify step, the most verify steps (and so the most shapes) per generated token.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,6 +54,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=96)
     parser.add_argument("--max-new-tokens", type=int, default=32, help="train.eval_max_new_tokens")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of {', '.join(WAYS)}")
+    parser.add_argument(
+        "--cache",
+        default="cold",
+        choices=["cold", "warm"],
+        help="cold: a new Inductor cache directory per way (default); warm: the one earlier runs filled",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (trainer default 1)")
     return parser.parse_args()
 
@@ -67,6 +76,10 @@ def compile_count() -> int:
 
 
 def measure(way: str, drafter, target, prompts, layers, shape, args, device) -> dict:
+    if args.cache == "cold":
+        # Inductor keeps compiled code on disk across processes; a fresh directory per way makes
+        # the first evaluation pay its compiles as a run on a new machine does.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="eval-compile-bench-")
     torch._dynamo.reset()
     from torch._dynamo.utils import clear_compilation_metrics
 
@@ -127,7 +140,7 @@ def main() -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {args.threads} thread(s)"
     print(
         f"torch {torch.__version__}, {name}, shape {args.shape}, "
-        f"{args.prompts} prompts of ~{args.prompt_len} tokens, "
+        f"{args.prompts} prompts of ~{args.prompt_len} tokens, {args.cache} Inductor cache, "
         f"{args.max_new_tokens} new tokens, block {shape.block}",
         flush=True,
     )
