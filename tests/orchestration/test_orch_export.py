@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from conftest import make_controller, stop_leftovers
 from safetensors.torch import load_file
 
 from dflashctl import PlaybookFailed
+from dflashctl.api import REPO
 
 SHORT_RUN = [
     "train.steps=20",
@@ -64,6 +67,17 @@ def test_export_of_the_recorded_run_then_by_name_with_the_state_lost(state_dir: 
         by_name = ctl.export(run="eager")
         assert by_name["step"] == 20 and by_name["run_id"] == "eager"
         assert (state_dir / "exports" / "eager" / "model.safetensors").is_file()
+
+        command = ["export", "--run", "eager", "--step", "10", "--dest", str(tmp_path / "cli")]
+        cli = subprocess.run(
+            [sys.executable, "-m", "dflashctl", "--state-dir", str(state_dir), *command],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout)["step"] == 10 and (tmp_path / "cli" / "config.json").is_file()
 
         with pytest.raises(PlaybookFailed, match="no checkpoint of step 7 in"):
             ctl.export(run="eager", step=7)
