@@ -151,6 +151,7 @@ def test_reference_dflash_loads_the_export_and_decodes_losslessly(
 
     reference_tau = sum(reference_steps) / len(reference_steps)
     trainer_tau = logged_tau(trained_run, step)  # the run's own evaluation, on the same prompts
+    print(f"mean acceptance length: dflash_generate {reference_tau:.3f}, the run's tau {trainer_tau:.3f}")
     assert reference_tau > 1.3, reference_tau  # a drafter that helps, or the comparison says little
     assert abs(reference_tau - trainer_tau) <= TAU_TOLERANCE, (reference_tau, trainer_tau)
     assert exported["tau"] == trainer_tau
