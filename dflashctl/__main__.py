@@ -1,4 +1,4 @@
-"""python -m dflashctl {launch RUN | status | stop} [--by-host]: print the result as JSON.
+"""python -m dflashctl {launch RUN | status | stop | export} [--by-host]: print the result as JSON.
 
 Without --by-host: the first host's result (the only host of a one-host inventory); with it:
 {host: result} for every host of group trainers, in inventory order."""
@@ -25,6 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--resume", action="store_true", help="continue the run from its checkpoint")
     sub.add_parser("status", parents=[every], help="report the recorded run (playbooks/status.yml)")
     sub.add_parser("stop", parents=[every], help="stop the recorded run (playbooks/stop.yml)")
+    export = sub.add_parser(
+        "export", help="export a run's checkpoint to the DFlash format (playbooks/export.yml)"
+    )
+    export.add_argument("--run", help="the run to export (default: the recorded run)")
+    export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest valid one)")
+    export.add_argument(
+        "--dtype", choices=["bfloat16", "float16", "float32"], help="weights dtype (default bfloat16)"
+    )
+    export.add_argument(
+        "--dest", help="where to put it on the controller (default: <state>/exports/<run_id>)"
+    )
     args = parser.parse_args(argv)
     controller = Controller(Settings(inventory=args.inventory, state_dir=args.state_dir, limit=args.limit))
     try:
@@ -34,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             result = launch_run(args.run, **extravars)
         elif args.command == "status":
             result = controller.status_by_host() if args.by_host else controller.status()
+        elif args.command == "export":
+            result = controller.export(run=args.run, step=args.step, dest=args.dest, dtype=args.dtype)
         else:
             result = controller.stop_by_host() if args.by_host else controller.stop()
     except PlaybookFailed as failure:

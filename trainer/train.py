@@ -52,6 +52,7 @@ from .environment import resolve_devices
 from .evaluate import acceptance_length
 from .model import target_layer_ids
 from .process import ProcessSetupError, ProcessTopology, ProcessWorld, launched_by_torchrun
+from .recompiles import RecompileWatch
 from .replica import Replica
 from .target import load_target, load_tokenizer, num_target_layers
 from .topology import ThreadedTopology
@@ -497,6 +498,11 @@ def _train(
             f"{train_set.supervised_fraction:.0%} of tokens supervised; target layers {layer_ids}"
         )
         loader = Loader(train_set, cfg.train.batch_size * workers, cfg.train.seed)
+        recompiles = RecompileWatch()
+
+        def warn_about_recompiles() -> None:
+            for warning in recompiles.poll():
+                out.line(warning)
 
         def evaluate(at_step: int) -> float | None:
             tau = acceptance_length(
@@ -520,6 +526,7 @@ def _train(
                 return None
             out.line(f"eval step {at_step} tau {tau:.3f} prompts {len(eval_prompts)}")
             out.metric({"kind": "eval", "step": at_step, "tau": tau, "prompts": len(eval_prompts)})
+            warn_about_recompiles()
             return tau
 
         def save(at_step: int) -> None:
@@ -578,6 +585,7 @@ def _train(
                     }
                 )
                 window_start, window_tokens, window_steps = now, 0, 0
+                warn_about_recompiles()
             if step == total or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
                 result = evaluate(step)
                 if result is None:

@@ -151,6 +151,24 @@ def test_launch_status_stop_through_pct(node: RealHostNode, record_property) -> 
     assert gone.returncode != 0, "the trainer is still running after stop"
 
 
+def test_export_through_pct_fetches_the_drafter(node: RealHostNode) -> None:
+    """The stopped run's checkpoint exported inside the container and fetched through pct_remote."""
+    export = node.play("export.yml")
+    assert export.ok, export.stdout[-3000:]
+    TIMINGS["export and fetch through pct_remote"] = export.seconds
+    report = export.stats_data()["dflash_export"]
+    assert report["run"] == "nographs" and report["on_target"] == "/workspace/runs/nographs/export"
+    dest = Path(report["dest"])
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "README.md",
+        "config.json",
+        "export.json",
+        "model.safetensors",
+    ]
+    assert json.loads((dest / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    assert f"--speculative-draft-model-path {dest} " in report["serve"]["sglang"]
+
+
 def test_no_secret_in_any_output_log_cache_or_artifact(node: RealHostNode) -> None:
     assert node.runs > 0
     secret = node.token_secret.encode()
