@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from realhost import RealHostNode
@@ -151,11 +152,11 @@ def test_launch_status_stop_through_pct(node: RealHostNode, record_property) -> 
     assert gone.returncode != 0, "the trainer is still running after stop"
 
 
-def test_export_through_pct_fetches_the_drafter(node: RealHostNode) -> None:
+def test_export_through_pct_fetches_the_drafter(node: RealHostNode, record_property) -> None:
     """The stopped run's checkpoint exported inside the container and fetched through pct_remote."""
     export = node.play("export.yml")
     assert export.ok, export.stdout[-3000:]
-    TIMINGS["export and fetch through pct_remote"] = export.seconds
+    record_property("seconds export and fetch through pct_remote", round(export.seconds, 1))
     report = export.stats_data()["dflash_export"]
     assert report["run"] == "nographs" and report["on_target"] == "/workspace/runs/nographs/export"
     dest = Path(report["dest"])
