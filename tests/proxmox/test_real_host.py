@@ -191,4 +191,3 @@ def test_no_secret_in_any_output_log_cache_or_artifact(node: RealHostNode) -> No
     assert not leaks, f"the token secret appears in {leaks}"
     runner_events = list((node.work_dir / "state" / "runner").rglob("job_events/*.json"))
     assert runner_events, "no runner artifacts scanned"
-
