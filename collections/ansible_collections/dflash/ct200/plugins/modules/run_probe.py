@@ -323,7 +323,7 @@ def wait(module: AnsibleModule, pattern: re.Pattern[str]) -> dict:
                 msg=(
                     f"the trainer (PID {params['pid']}) is alive but logged no line matching "
                     f"{pattern.pattern!r} within {params['timeout']:.0f} s (it keeps running; stop it with "
-                    f"playbooks/stop.yml or raise run_wait_timeout). Last lines of {params['log']}:\n"
+                    f"./dev.sh stop or raise run_wait_timeout). Last lines of {params['log']}:\n"
                     + "\n".join(result["log_tail"])
                 ),
                 **result,
