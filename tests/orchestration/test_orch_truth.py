@@ -306,10 +306,12 @@ def test_unwritable_ledger_stops_what_it_started(state_dir: Path, cleanup: list)
     cleanup.append(ctl)
     with pytest.raises(PlaybookFailed) as failure:
         ctl.launch("nographs")
+    (state_dir / "runs.jsonl").rmdir()  # the fixture's own clean-up reads the ledger
     message = str(failure.value)
     assert f"cannot write the run ledger {state_dir / 'runs.jsonl'}" in message
     assert "was stopped" in message
     assert trainers_on(out_of(state_dir)) == []
+    assert run_record(state_dir)["state"] == "stopped", "the target's record says what happened"
 
 
 @pytest.mark.slow
