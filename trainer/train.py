@@ -554,6 +554,11 @@ def _train(
         started = time.monotonic()
         window_start, window_tokens, window_steps = started, 0, 0
         tau = tau0
+        if lead_rank and step > 0:
+            # A resumed run's latest tau is its last evaluation, not the first one.
+            last_eval = runrecord.last_metrics(out_dir)["eval"]
+            if last_eval and last_eval.get("step", -1) <= step:
+                tau = float(last_eval["tau"])
         while step < total:
             if agree(stop()):
                 return stopped(out, stop, step, save, out_dir, world)
