@@ -239,7 +239,7 @@ def main() -> None:
     elif result["checkpoint"]:
         msg = f"stopped PID {params['pid']} after SIGTERM; {result['checkpoint']}"
     else:
-        msg = f"stopped PID {params['pid']} after SIGTERM; no checkpoint line (it had not started training)"
+        msg = f"stopped PID {params['pid']} after SIGTERM; no new checkpoint (it had not started training)"
     module.exit_json(changed=True, msg=msg, **result)
 
 
