@@ -22,9 +22,9 @@ still saying ``running`` whose PID is gone (or is another process) was killed. `
 process that holds the lock (the one to signal); a process that supervises restarts may be that PID
 and append to ``restarts`` with :func:`update_record`.
 
-The Ansible modules read the same file through a link to this one
-(``dflash.ct200.plugins.module_utils.run_record``): modules run on the target without the trainer
-package, and the format has one owner.
+The Ansible modules read the same format through ``dflash.ct200.plugins.module_utils.run_record``,
+an identical copy of this file (modules run on the target without the trainer package, and a
+collection cannot link outside itself); tests/trainer/test_runrecord.py keeps the two identical.
 """
 
 from __future__ import annotations

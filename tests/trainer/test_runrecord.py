@@ -34,6 +34,12 @@ def hold_lock(out: Path) -> subprocess.Popen:
     return holder
 
 
+def test_the_modules_read_the_record_with_the_same_code() -> None:
+    """The Ansible modules cannot import the trainer package on the target: they carry a copy."""
+    copy = REPO / "collections/ansible_collections/dflash/ct200/plugins/module_utils/run_record.py"
+    assert copy.read_text() == Path(runrecord.__file__).read_text(), "change runrecord.py and its copy"
+
+
 def test_second_start_on_an_output_fails_naming_the_holder(tmp_path: Path) -> None:
     out = tmp_path / "runs" / "nographs"
     holder = hold_lock(out)
