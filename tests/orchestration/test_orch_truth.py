@@ -97,6 +97,7 @@ def test_status_stop_and_relaunch_see_the_trainer_whatever_the_fact_cache(
     pid = record["pid"]
     facts = state_dir / "facts"
     shutil.rmtree(facts)
+    (state_dir / "runs.jsonl").unlink()
     if damage == "corrupt":
         facts.mkdir()
         (facts / "ct200").write_text('{"trainer_run": {"pid": ')
@@ -107,6 +108,7 @@ def test_status_stop_and_relaunch_see_the_trainer_whatever_the_fact_cache(
     assert status["state"] == "running" and status["pid"] == pid
     assert status["last_progress"].startswith("step ")
     assert "cache and ledger repaired" in status["repaired"], "the repair is said in one line"
+    assert [line["run_id"] for line in ledger(state_dir)] == [record["run_id"]], "the ledger is repaired"
 
     # A relaunch, also with resume, is refused naming the live trainer: never a second one.
     for extra in ({}, {"resume": True}):
