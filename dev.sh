@@ -2,10 +2,10 @@
 # One entry point for people and CI. Creates .venv from requirements-dev.txt when it is missing or
 # the requirements changed, then runs the command.
 #
-#   ./dev.sh launch [RUN]   launch a run on the local default (default RUN: nographs)
-#   ./dev.sh status         report the recorded run
-#   ./dev.sh stop           stop it (SIGTERM, checkpoint, exit)
-#                           (more arguments go to ansible-playbook: -e resume=true, -i inventory/pair)
+#   ./dev.sh launch [RUN] [OPTIONS]  launch a run (default RUN: nographs); OPTIONS go to
+#                                    ansible-playbook: -e resume=true, -e fresh=true, -i inventory/pair
+#   ./dev.sh status [OPTIONS]        report the run on the target
+#   ./dev.sh stop [OPTIONS]          stop it (SIGTERM, checkpoint, exit)
 #   ./dev.sh fast           ruff, ansible-lint (production), the unit tests (pytest -m unit)
 #   ./dev.sh sanity         ansible-test sanity for the collection dflash.ct200
 #   ./dev.sh test           everything: ruff, ansible-lint, sanity, pytest, molecule (default, proxmox)
@@ -67,10 +67,12 @@ export PATH
 case "$command" in
     setup) ;;
     launch)
-        run=${1:-nographs}
-        [ $# -gt 0 ] && shift
-        exec ansible-playbook playbooks/launch.yml -e "run=$run" "$@"
-        ;;
+        run=nographs
+        case "${1:-}" in
+            "" | -*) ;;
+            *) run=$1; shift ;;
+        esac
+        exec ansible-playbook playbooks/launch.yml -e "run=$run" "$@" ;;
     status) exec ansible-playbook playbooks/status.yml "$@" ;;
     stop) exec ansible-playbook playbooks/stop.yml "$@" ;;
     fast) run_fast ;;

@@ -1,5 +1,8 @@
 """python -m dflashctl {launch RUN | status | stop | export} [--by-host]: print the result as JSON.
 
+`launch RUN [--resume | --fresh]`: continue the run's output, or start over (the earlier output
+is moved aside, never deleted).
+
 Without --by-host: the first host's result (the only host of a one-host inventory); with it:
 {host: result} for every host of group trainers, in inventory order."""
 
@@ -23,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     launch = sub.add_parser("launch", parents=[every], help="launch a run (playbooks/launch.yml)")
     launch.add_argument("run", help="run name, a profile in trainer/runs/")
     launch.add_argument("--resume", action="store_true", help="continue the run from its checkpoint")
+    launch.add_argument("--fresh", action="store_true", help="start over; the earlier output is moved aside")
     sub.add_parser("status", parents=[every], help="report the recorded run (playbooks/status.yml)")
     sub.add_parser("stop", parents=[every], help="stop the recorded run (playbooks/stop.yml)")
     export = sub.add_parser(
@@ -40,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     controller = Controller(Settings(inventory=args.inventory, state_dir=args.state_dir, limit=args.limit))
     try:
         if args.command == "launch":
-            extravars = {"resume": True} if args.resume else {}
+            extravars = {key: True for key in ("resume", "fresh") if getattr(args, key)}
             launch_run = controller.launch_by_host if args.by_host else controller.launch
             result = launch_run(args.run, **extravars)
         elif args.command == "status":
