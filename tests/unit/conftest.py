@@ -1,26 +1,13 @@
 """Unit tests of the collection dflash.ct200, with no playbook run: its plugins are imported as the
-Python modules they are (`ansible_collections.dflash.ct200.plugins...`) from collections/, through
-ansible's own collection loader (what ANSIBLE_COLLECTIONS_PATH does for ansible-playbook), so
-lookups and callbacks get their options from their DOCUMENTATION as they do in a play."""
+Python modules they are (`ansible_collections.dflash.ct200.plugins...`), through ansible's own
+collection loader (set up in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
 import pytest
-
-# Importing ansible replaces sys.intern (ansible.module_utils._internal._patches), and torch._dynamo,
-# when it is first imported, registers a stand-in for sys.intern and refuses one that is not a
-# function. The trainer tests run in this same pytest process: import dynamo first.
-with contextlib.suppress(ImportError):
-    import torch._dynamo  # noqa: F401
-
-from ansible.plugins.loader import init_plugin_loader
-
-COLLECTIONS = Path(__file__).resolve().parents[2] / "collections"
-init_plugin_loader([str(COLLECTIONS)])
 
 
 def pytest_collection_modifyitems(items) -> None:
