@@ -1,3 +1,5 @@
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Lookup: check a run on the controller with the trainer's own config loader (trainer/config.py)."""
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ description:
     variable and the key), C(runs) (known run names and descriptions, also when a profile is not
     valid YAML), C(profile) (the profile's path) and, when valid, C(config) (the resolved sections),
     C(log_name), C(topology) and C(steps).
-  - Never fails: the role decides and words the error.
+  - "It never fails itself: the role decides and words the error."
+author:
+  - DFlash CT 200 team (!UNKNOWN)
 options:
   _terms:
     description: The run name.
