@@ -91,7 +91,7 @@ def pick_checkpoint(run_out: Path, step: int | None) -> Source:
 
 
 def read_source(step: int, path: Path) -> Source:
-    from .train import CHECKPOINT_FORMAT
+    from .resume import CHECKPOINT_FORMAT
 
     try:
         raw = read_checkpoint_bytes(path)
