@@ -46,6 +46,32 @@ def bucket(length: int, smallest: int = 64) -> int:
 
 
 @torch.no_grad()
+def draft_blocks(
+    drafter, features: list[torch.Tensor], anchors: list[int], block_size: int, mask_id: int,
+    device: torch.device, pad_buckets: bool,
+) -> list[list[int]]:  # fmt: skip
+    """The drafter's greedy guesses for the block after each row's anchor, given each row's context
+    features (block_size - 1 tokens a row)."""
+    ctx_lens = torch.tensor([len(f) for f in features])
+    context = pad_sequence(features, batch_first=True)
+    if pad_buckets:
+        context = F.pad(context, (0, 0, 0, bucket(context.shape[1]) - context.shape[1]))
+    block = torch.full((len(features), block_size), mask_id, device=device)
+    block[:, 0] = torch.tensor(anchors, device=device)
+    positions = (ctx_lens[:, None] + torch.arange(block_size)).to(device)
+    allowed = block_attention_mask(ctx_lens[:, None], context.shape[1], block_size).to(device)
+    hidden = drafter.hidden(context.to(drafter.fc.weight.dtype), block, positions, allowed)
+    return drafter.logits(hidden)[:, 1:].argmax(dim=-1).tolist()
+
+
+def kept_tokens(gained: list[int], eos_id: int, room: int) -> list[int]:
+    """The tokens of a verify step the generation keeps: none past the end-of-turn token or past
+    the token budget (a serving engine, and the reference dflash_generate, count the same way)."""
+    if eos_id in gained:
+        gained = gained[: gained.index(eos_id) + 1]
+    return gained[:room]
+
+
 def speculative_generate(
     drafter,
     target,
@@ -77,16 +103,10 @@ def speculative_generate(
         # With pad_buckets, finished prompts' places are taken by copies of an active row (their
         # drafts are dropped) and the context is padded to its bucket: the mask hides the padding.
         rows = active + [active[0]] * (len(prompts) - len(active)) if pad_buckets else active
-        ctx_lens = torch.tensor([len(sequences[i]) for i in rows])
-        context = pad_sequence([row_features[i] for i in rows], batch_first=True)
-        if pad_buckets:
-            context = F.pad(context, (0, 0, 0, bucket(context.shape[1]) - context.shape[1]))
-        block = torch.full((len(rows), block_size), mask_id, device=device)
-        block[:, 0] = torch.tensor([anchors[i] for i in rows], device=device)
-        positions = (ctx_lens[:, None] + torch.arange(block_size)).to(device)
-        allowed = block_attention_mask(ctx_lens[:, None], context.shape[1], block_size).to(device)
-        hidden = drafter.hidden(context.to(drafter.fc.weight.dtype), block, positions, allowed)
-        drafts = drafter.logits(hidden)[: len(active), 1:].argmax(dim=-1).tolist()
+        drafts = draft_blocks(
+            drafter, [row_features[i] for i in rows], [anchors[i] for i in rows], block_size, mask_id, device,
+            pad_buckets,
+        )[: len(active)]  # fmt: skip
 
         candidates = [sequences[i] + [anchors[i]] + d for i, d in zip(active, drafts, strict=True)]
         cand_features, cand_next = target_features_and_next(target, _padded(candidates, device), layer_ids)
@@ -97,12 +117,9 @@ def speculative_generate(
             accepted = 0
             while accepted < block_size - 1 and drafts[row][accepted] == verified[accepted]:
                 accepted += 1
-            gained = [*drafts[row][:accepted], verified[accepted]]
-            # Count only tokens the generation keeps: none past the end-of-turn token or the token
-            # budget (a serving engine, and the reference dflash_generate, count the same way).
-            if eos_id in gained:
-                gained = gained[: gained.index(eos_id) + 1]
-            gained = gained[: max_new_tokens - len(generated[i])]
+            gained = kept_tokens(
+                [*drafts[row][:accepted], verified[accepted]], eos_id, max_new_tokens - len(generated[i])
+            )
             accepted_per_step[i].append(len(gained))
             keep = start + 1 + accepted  # context now covers the anchor and the accepted drafts
             sequences[i] = candidates[row][:keep]

@@ -91,7 +91,7 @@ def pick_checkpoint(run_out: Path, step: int | None) -> Source:
 
 
 def read_source(step: int, path: Path) -> Source:
-    from .train import CHECKPOINT_FORMAT
+    from .resume import CHECKPOINT_FORMAT
 
     try:
         raw = read_checkpoint_bytes(path)
@@ -314,8 +314,6 @@ def export(
     dry_run: bool = False,
 ) -> dict:
     """Export one checkpoint; returns the manifest plus `changed` and the serve commands."""
-    from safetensors.torch import save_file
-
     run_out, export_dir = run_out.expanduser().absolute(), export_dir.expanduser().absolute()
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -324,13 +322,28 @@ def export(
             f"{export_dir} is the run's output or inside its checkpoints; choose another EXPORT_DIR"
         )
     source = pick_checkpoint(run_out, step)
+    target_config = json.loads((target_dir(source.config) / "config.json").read_text())
+    manifest = describe_export(run_out, export_dir, source, target_config, dtype)
+    commands = serve_commands(manifest["target"], str(export_dir))
+    result = {
+        **manifest,
+        "serve": commands,
+        "files": ["config.json", "model.safetensors", "README.md", MANIFEST],
+    }
+    if same_export_there(export_dir, manifest, force, keep_same):
+        return {**result, "changed": False}
+    if not dry_run:
+        write_export(export_dir, source, target_config, manifest, commands)
+    return {**result, "changed": True}
+
+
+def describe_export(run_out: Path, export_dir: Path, source, target_config: dict, dtype: str) -> dict:
+    """The export's manifest: where it comes from and the DFlash settings it was trained with."""
     cfg = source.config
     target = target_dir(cfg)
-    target_config = json.loads((target / "config.json").read_text())
     layer_ids = check_weights(source.weights, cfg, target_config, source.path)
-    mask_id = resolve_mask_token_id(cfg, target)
     tau, tau_note = tau_at(run_out, source.step)
-    manifest = {
+    return {
         "format": EXPORT_FORMAT,
         "run": cfg.run.name,
         "run_out": str(run_out),
@@ -344,45 +357,49 @@ def export(
         "num_layers": cfg.drafter.num_layers,
         "block_size": cfg.drafter.block_size,
         "target_layer_ids": layer_ids,
-        "mask_token_id": mask_id,
+        "mask_token_id": resolve_mask_token_id(cfg, target),
         "export_dir": str(export_dir),
     }
-    commands = serve_commands(manifest["target"], str(export_dir))
-    result = {
-        **manifest,
-        "serve": commands,
-        "files": ["config.json", "model.safetensors", "README.md", MANIFEST],
-    }
 
+
+def same_export_there(export_dir: Path, manifest: dict, force: bool, keep_same: bool) -> bool:
+    """True when EXPORT_DIR already holds this very export (and keep_same asks to keep it); refuses
+    an occupied EXPORT_DIR unless --force and it holds an earlier export."""
     earlier = existing_export(export_dir)
     occupied = export_dir.exists() and (not export_dir.is_dir() or any(export_dir.iterdir()))
-    if (
-        occupied
-        and keep_same
-        and earlier is not None
-        and all(earlier.get(key) == manifest[key] for key in ("checkpoint_sha256", "dtype", "mask_token_id"))
-    ):
-        return {**result, "changed": False}
-    if occupied and not force:
+    if not occupied:
+        return False
+    keys = ("checkpoint_sha256", "dtype", "mask_token_id")
+    if keep_same and earlier is not None and all(earlier.get(key) == manifest[key] for key in keys):
+        return True
+    if not force:
         raise ExportError(
             f"{export_dir} exists and is not empty; choose another EXPORT_DIR, or --force to replace "
             "an earlier export there"
         )
-    if occupied and earlier is None:
+    if earlier is None:
         raise ExportError(
             f"{export_dir} is not empty and holds no earlier export ({MANIFEST} missing): it is never "
             "replaced, even with --force; choose another EXPORT_DIR"
         )
-    if dry_run:
-        return {**result, "changed": True}
+    return False
 
+
+def write_export(export_dir: Path, source, target_config: dict, manifest: dict, commands: dict) -> None:
+    """Build the export beside EXPORT_DIR and rename it into place: a failed write (a full disk)
+    leaves any earlier export there intact."""
+    from safetensors.torch import save_file
+
+    dtype = manifest["dtype"]
     weights = {name: tensor.to(DTYPES[dtype]).contiguous() for name, tensor in source.weights.items()}
     staging = None
     try:
         export_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{export_dir.name}.", dir=export_dir.parent))
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        config = drafter_config(target_config, cfg, layer_ids, mask_id, dtype)
+        config = drafter_config(
+            target_config, source.config, manifest["target_layer_ids"], manifest["mask_token_id"], dtype
+        )
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (staging / "README.md").write_text(readme(manifest, commands))
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -407,7 +424,6 @@ def export(
     finally:
         if staging is not None and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return {**result, "changed": True}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

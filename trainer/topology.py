@@ -43,6 +43,25 @@ def scale_gradients(replica: Replica, total_weight: float) -> None:
             param.grad.mul_(scale)
 
 
+class ThreadedWorld:
+    """The threaded topology's place among ranks: one process, rank 0 of 1. Its collectives are
+    the identity, so the run's code is the same for threads and for ranks under torchrun."""
+
+    rank = 0
+    local_rank = 0
+    world_size = 1
+    is_lead = True
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+    def gather(self, obj: object) -> list:
+        return [obj]
+
+    def close(self) -> None:
+        pass
+
+
 class ThreadedTopology:
     def __init__(self, replicas: list[Replica], step_timeout_s: float, log: Callable[[str], None]):
         self.replicas = replicas
@@ -151,6 +170,21 @@ class ThreadedTopology:
         loss_sum = sum(r.loss_sum for r in results)
         weight_sum = sum(r.weight_sum for r in results)
         return loss_sum / max(weight_sum, 1e-12), sum(r.tokens for r in results), answers[0][1]  # type: ignore[index]
+
+    def worker_rng(self) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """Every worker's anchor generator state, and every CUDA device's RNG state (key: device)."""
+        cuda = {
+            str(r.device): torch.cuda.get_rng_state(r.device)
+            for r in self.replicas
+            if r.device.type == "cuda"
+        }
+        return [r.anchor_generator.get_state() for r in self.replicas], cuda
+
+    def set_worker_rng(self, workers: list[torch.Tensor], cuda: dict[str, torch.Tensor]) -> None:
+        for replica, generator_state in zip(self.replicas, workers, strict=True):
+            replica.anchor_generator.set_state(generator_state)
+        for device, state in cuda.items():
+            torch.cuda.set_rng_state(state, torch.device(device))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Tell every worker to finish and wait for them (bounded; they are daemon threads)."""

@@ -1,0 +1,76 @@
+"""Where a run's lines and metrics go, by rank.
+
+Rank 0 writes the run's files (`FileOutput`: stdout and `<out>/train.log`, `<out>/metrics.jsonl`).
+In the process topology on several hosts, local rank 0 of every other host prints the same lines to
+its stdout, which is that host's run log (`ConsoleOutput`: launch.yml waits for its progress line);
+the values in them are global ones (losses and token counts summed over every rank, rank 0's tau),
+so every host's log shows the same numbers. Every other rank is silent (`SilentOutput`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any, TextIO
+
+from .config import Config, dump_config
+
+
+class SilentOutput:
+    """Lines and metrics go nowhere (ranks other than the first of each host)."""
+
+    def line(self, text: str) -> None:
+        pass
+
+    def metric(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ConsoleOutput(SilentOutput):
+    """Lines to stdout only (the first rank of a host other than rank 0's)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()  # workers log their compile lines from their own threads
+
+    def line(self, text: str) -> None:
+        with self.lock:
+            print(text, flush=True)
+
+
+class FileOutput(ConsoleOutput):
+    """Lines to stdout and <out>/train.log, flushed line by line; rows of <out>/metrics.jsonl."""
+
+    def __init__(self, out_dir: Path):
+        super().__init__()
+        self.log_file: TextIO = (out_dir / "train.log").open("a")
+        self.metrics: TextIO = (out_dir / "metrics.jsonl").open("a")
+
+    def line(self, text: str) -> None:
+        with self.lock:
+            print(text, flush=True)
+            self.log_file.write(text + "\n")
+            self.log_file.flush()
+
+    def metric(self, row: dict[str, Any]) -> None:
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+
+    def close(self) -> None:
+        self.log_file.close()
+        self.metrics.close()
+
+
+Output = SilentOutput | ConsoleOutput | FileOutput
+
+
+def open_output(cfg: Config, out_dir: Path, writes_files: bool, prints_lines: bool) -> Output:
+    """This rank's output; the rank that writes files also writes <out>/config.yml first."""
+    if writes_files:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yml").write_text(dump_config(cfg))
+        return FileOutput(out_dir)
+    return ConsoleOutput() if prints_lines else SilentOutput()
