@@ -179,3 +179,13 @@ def gone_within(pid: int, seconds: float) -> bool:
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not alive(pid)
+
+
+def logged_within(log: Path, text: str, seconds: float) -> bool:
+    """Wait (bounded) until the log holds a line containing text; True when it does."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if log.exists() and text in log.read_text():
+            return True
+        time.sleep(0.05)
+    return False

@@ -430,7 +430,11 @@ def main() -> None:
         supports_check_mode=True,
     )
     if module.params["wait_for"] and module.params["pid"]:
-        result = wait(module, re.compile(module.params["wait_for"]))
+        try:
+            pattern = re.compile(module.params["wait_for"])
+        except re.error as exc:
+            module.fail_json(msg=f"wait_for {module.params['wait_for']!r} is not a regular expression: {exc}")
+        result = wait(module, pattern)
     else:
         result = report(module)
     params = module.params
