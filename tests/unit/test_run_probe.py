@@ -122,6 +122,7 @@ def test_wait_for_fails_naming_the_exit_status_when_the_trainer_dies_first(
     tmp_path, run_module, trainer
 ) -> None:
     started = trainer("--first-step-after", "30")
+    assert logged_within(tmp_path / "train.log", "stand-in trainer", 10)
     kill_and_reap(started["pid"])
     result = probe(
         run_module, **identity(started), log=str(tmp_path / "train.log"), wait_for="^step ", timeout=20

@@ -12,7 +12,7 @@ from ansible_collections.dflash.ct200.plugins.module_utils.run_record import loc
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import boot_id, read_stat
 from ansible_collections.dflash.ct200.plugins.modules import trainer_start
 
-from tests.unit.standin import Started, alive, gone_within, not_the_trainer, workspace
+from tests.unit.standin import Started, alive, gone_within, logged_within, not_the_trainer, workspace
 
 
 def start(run_module, script, log, **more):
@@ -35,7 +35,7 @@ def test_the_trainer_starts_detached_and_is_identified(tmp_path, run_module) -> 
         cmdline = result.result["cmdline"]
         assert cmdline[1:5] == ["-m", "trainer", "--run", "nographs"]
         assert result.result["record"] is None and result.result["kept_log"] is None
-        assert f"stand-in trainer, pid {pid}" in log.read_text()
+        assert logged_within(log, f"stand-in trainer, pid {pid}", 10), "its output is not in the log"
 
 
 def test_an_earlier_log_is_kept_under_its_time_not_overwritten(tmp_path, run_module) -> None:

@@ -9,7 +9,15 @@ import pytest
 from ansible_collections.dflash.ct200.plugins.module_utils.run_record import read_record
 from ansible_collections.dflash.ct200.plugins.modules import trainer_start, trainer_stop
 
-from tests.unit.standin import Started, alive, kill_and_reap, logged_within, not_the_trainer, workspace
+from tests.unit.standin import (
+    Started,
+    alive,
+    gone_within,
+    kill_and_reap,
+    logged_within,
+    not_the_trainer,
+    workspace,
+)
 
 
 @pytest.fixture
@@ -47,7 +55,8 @@ def test_sigterm_stops_the_trainer_after_its_checkpoint(tmp_path, run_module, tr
     assert not result.failed, result.result["msg"]
     assert result.result["changed"] is True and result.result["state_before"] == "running"
     assert result.result["killed"] is False and result.result["pid"] == started["pid"]
-    assert not alive(started["pid"])
+    # The module counts a process whose memory is released as gone (it is exiting): allow the rest.
+    assert gone_within(started["pid"], 5)
     checkpoint = result.result["checkpoint"]
     assert checkpoint.startswith("checkpoint saved step ") and "step_000000" in checkpoint
     assert result.result["msg"] == f"stopped PID {started['pid']} after SIGTERM; {checkpoint}"
@@ -60,7 +69,7 @@ def test_a_trainer_ignoring_sigterm_is_killed_after_the_timeout(tmp_path, run_mo
     started = trainer("--behave", "ignore-term")
     result = run_module(trainer_stop.main, {**recorded(started, log), "timeout": 0.5})
     assert not result.failed, result.result["msg"]
-    assert result.result["killed"] is True and not alive(started["pid"])
+    assert result.result["killed"] is True and gone_within(started["pid"], 5)
     assert result.result["stopped_in_s"] >= 0.5
     assert (
         f"the trainer (PID {started['pid']}) did not exit within 0 s of SIGTERM: sent SIGKILL"
@@ -113,7 +122,7 @@ def test_with_the_cache_lost_the_trainer_is_found_on_the_target_and_its_record_c
         trainer_stop.main, {"runs_dir": str(runs), "recorded": {}, "log": str(tmp_path / "train.log")}
     )
     assert not result.failed, result.result["msg"]
-    assert result.result["pid"] == started["pid"] and not alive(started["pid"])
+    assert result.result["pid"] == started["pid"] and gone_within(started["pid"], 5)
     assert result.result["repair"].startswith("the controller's cache had no run; the target holds run ")
     record = result.result["record"]
     assert (
