@@ -1,4 +1,6 @@
 #!/usr/bin/python
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Documentation of the run_ledger action (it runs on the controller; see plugins/action/run_ledger.py)."""
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ options:
     type: dict
     required: true
 author:
-  - DFlash CT 200 team
+  - DFlash CT 200 team (!UNKNOWN)
 """
 
 EXAMPLES = r"""
@@ -35,7 +37,11 @@ EXAMPLES = r"""
 
 RETURN = r"""
 record:
-  description: The record as written.
+  description: The record as written (plain JSON types).
   type: dict
-  returned: always
+  returned: success
+path:
+  description: The ledger's absolute path.
+  type: str
+  returned: success
 """

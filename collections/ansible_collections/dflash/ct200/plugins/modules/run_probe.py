@@ -1,4 +1,6 @@
 #!/usr/bin/python
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Inspect the recorded trainer of a host (and its GPUs), optionally waiting for a line in its log."""
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ options:
   runs_dir:
     description:
       - The workspace's runs directory (C(<workspace>/runs)). With it, the truth comes from the target
-        first: every output's run record (C(<out>/run.json)) and lock (C(<runs>/.<run>.lock)) are read,
+        first; every output's run record (C(<out>/run.json)) and lock (C(<runs>/.<run>.lock)) are read,
         and the run to report is the live one, else the one O(recorded) names, else the newest.
       - RV(target.repair) says in one line where the controller's cache (O(recorded)) disagrees, and
         RV(target.record) is the record to keep in the cache and the ledger.
@@ -66,7 +68,7 @@ options:
     type: dict
   out:
     description:
-      - A run's output directory to inspect before a launch (RV(output)): its checkpoints, record and tau.
+      - A run's output directory to inspect before a launch (RV(output)), its checkpoints, record and tau.
     type: path
   steps:
     description: With O(out), the steps the run is configured for (RV(output.finished)).
@@ -87,7 +89,7 @@ options:
     type: float
     default: 300
 author:
-  - DFlash CT 200 team
+  - DFlash CT 200 team (!UNKNOWN)
 """
 
 EXAMPLES = r"""
@@ -106,6 +108,15 @@ state:
   description: none, running, exited or not_ours.
   type: str
   returned: always
+pid:
+  description: The PID looked at (the target's live run's with O(runs_dir)), null when none is recorded.
+  type: int
+  returned: always
+alive:
+  description:
+    - Whether a process lives behind the PID (it may be another program; then RV(state) is C(not_ours)).
+  type: bool
+  returned: always
 start_time:
   description: Start time of the process now behind the PID (clock ticks since boot).
   type: int
@@ -120,7 +131,7 @@ cmdline:
   elements: str
   returned: always
 last_progress:
-  description: The latest progress line of the log.
+  description: The latest progress line of the log (with O(runs_dir), of the run's metrics.jsonl first).
   type: str
   returned: always
 last_eval:
@@ -132,23 +143,81 @@ log_tail:
   type: list
   elements: str
   returned: always
+matched:
+  description: With O(wait_for), the first log line that matched.
+  type: str
+  returned: when O(wait_for) matched
+waited_s:
+  description: With O(wait_for), seconds waited for the match.
+  type: float
+  returned: when O(wait_for) matched
 gpu:
-  description:
-    - With O(gpus), available, note, gpus (index, uuid, memory_used_mib, utilization_pct, apps),
-      problems, lines.
+  description: With O(gpus), the host's GPU usage.
   type: dict
   returned: when O(gpus) is true
+  contains:
+    available:
+      description: Whether nvidia-smi answered with at least one GPU.
+      type: bool
+    note:
+      description: Why no GPU is listed (no C(nvidia-smi), its error), else empty.
+      type: str
+    gpus:
+      description: Every GPU (index, uuid, memory_used_mib, utilization_pct, apps).
+      type: list
+      elements: dict
+    problems:
+      description: One line per busy GPU, naming its processes.
+      type: list
+      elements: str
+    lines:
+      description: One line per GPU, for a report.
+      type: list
+      elements: str
 target:
-  description:
-    - With O(runs_dir), what the target holds (record, repair, live_runs), see O(runs_dir).
+  description: With O(runs_dir), what the target holds, see O(runs_dir).
   type: dict
   returned: when O(runs_dir) is given
+  contains:
+    record:
+      description: The record to keep in the controller's cache and ledger.
+      type: dict
+    repair:
+      description: One line where the controller's cache (O(recorded)) disagreed with the target, else null.
+      type: str
+    live_runs:
+      description: The runs whose trainer is alive (run, run_id, pid, out, started_at).
+      type: list
+      elements: dict
 output:
-  description:
-    - With O(out), checkpoints (count), last_step, last_checkpoint, checkpoint_mib, tau (the latest
-      eval row), record_state, finished (last_step >= O(steps)).
+  description: With O(out), what the output holds before a launch.
   type: dict
   returned: when O(out) is given
+  contains:
+    path:
+      description: O(out).
+      type: str
+    checkpoints:
+      description: How many complete checkpoints it holds.
+      type: int
+    last_step:
+      description: The step of the newest checkpoint, null when none.
+      type: int
+    last_checkpoint:
+      description: The newest checkpoint's path, null when none.
+      type: str
+    checkpoint_mib:
+      description: The newest checkpoint's size in MiB.
+      type: float
+    tau:
+      description: The latest eval row of its metrics.jsonl.
+      type: dict
+    record_state:
+      description: The state its run record says.
+      type: str
+    finished:
+      description: Whether the newest checkpoint is at or after O(steps).
+      type: bool
 disk:
   description: With O(disk_path), path, free_mib, required_mib, ok.
   type: dict
@@ -159,8 +228,13 @@ last_checkpoint:
   returned: with O(runs_dir)
 exit_status:
   description:
-    - The exit status as far as the log tells (0 finished or stopped, 2 bad input, 1 crash), else null.
+    - The exit status as far as the record or the log tells (0 finished or stopped, 2 bad input,
+      1 crash), else null.
   type: int
+  returned: when the trainer has exited
+exit_reason:
+  description: What the exit status means, or why it is unknown.
+  type: str
   returned: when the trainer has exited
 """
 
@@ -356,7 +430,11 @@ def main() -> None:
         supports_check_mode=True,
     )
     if module.params["wait_for"] and module.params["pid"]:
-        result = wait(module, re.compile(module.params["wait_for"]))
+        try:
+            pattern = re.compile(module.params["wait_for"])
+        except re.error as exc:
+            module.fail_json(msg=f"wait_for {module.params['wait_for']!r} is not a regular expression: {exc}")
+        result = wait(module, pattern)
     else:
         result = report(module)
     params = module.params

@@ -1,4 +1,6 @@
 #!/usr/bin/python
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Start run.sh detached (its own session) and return the trainer's PID, start time and boot id."""
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ description:
     the trainer.
   - Returns the PID with its start time (field 22 of C(/proc/<pid>/stat)) and the boot id, which
     identify the trainer later even when the PID is reused.
-  - No shell is involved: the script path is passed as one argument.
-  - With O(out), one trainer per output: the module takes the output's exclusive lock
+  - No shell is involved; the script path is passed as one argument.
+  - With O(out), one trainer per output. The module takes the output's exclusive lock
     (C(<parent>/.<name>.lock)) before anything else and fails at once, naming the PID, while another
     process holds it; the started script inherits the locked file descriptor (C(trainer.launch)
     keeps it across its exec), so there is no moment where the output is unlocked. With O(fresh),
     an earlier output is moved aside (C(<out>.<UTC time>)), never deleted. The module then waits
-    for the run record C(<out>/run.json) that C(trainer.launch) writes and returns it: the run is
+    for the run record C(<out>/run.json) that C(trainer.launch) writes and returns it, so the run is
     recorded on the target before the controller hears of it.
 options:
   out:
@@ -61,7 +63,7 @@ options:
     type: int
     default: 20
 author:
-  - DFlash CT 200 team
+  - DFlash CT 200 team (!UNKNOWN)
 """
 
 EXAMPLES = r"""
@@ -89,6 +91,14 @@ boot_id:
   description: The boot id.
   type: str
   returned: success
+run_id:
+  description: The run's id from its record (with O(out)), else null.
+  type: str
+  returned: success
+started_at:
+  description: When the run started (UTC, from its record, with O(out)), else null.
+  type: str
+  returned: success
 record:
   description: The run record the trainer wrote on the target (C(<out>/run.json)), with O(out).
   type: dict
@@ -106,10 +116,10 @@ cmdline:
 
 import fcntl
 import os
-import subprocess
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.dflash.ct200.plugins.module_utils.detached import start_detached
 from ansible_collections.dflash.ct200.plugins.module_utils.run_record import (
     LOCK_FD_ENV,
     lock_holder,
@@ -215,25 +225,18 @@ def main() -> None:
     env = dict(os.environ)
     if lock_fd is not None:
         env[LOCK_FD_ENV] = str(lock_fd)
-    with open(params["log"], "wb") as log, open(os.devnull, "rb") as devnull:
-        process = subprocess.Popen(
-            [params["script"], *params["args"]],
-            stdin=devnull,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-            pass_fds=() if lock_fd is None else (lock_fd,),
-            env=env,
-            cwd=os.path.dirname(params["script"]) or "/",
-        )
-    pid = process.pid
+    # Detached (setsid, stdin /dev/null, output to the log), which run_command cannot do: it waits.
+    pid = start_detached(
+        [params["script"], *params["args"]],
+        params["log"],
+        cwd=os.path.dirname(params["script"]) or "/",
+        env=env,
+        pass_fds=() if lock_fd is None else (lock_fd,),
+    )
     if lock_fd is not None:
         # The started process holds the lock now (the same open file): ours can go.
         write_lock_pid(lock_fd, pid)
         os.close(lock_fd)
-    # Nobody waits for the trainer here: it belongs to its own session once this module exits.
-    process.returncode = 0  # keeps Popen's destructor from warning about a running child
     deadline = time.monotonic() + params["settle"]
     current = probe(pid, None, None, None)
     # While run.sh exec's python, /proc/<pid>/cmdline may read empty or show the shell: poll. With

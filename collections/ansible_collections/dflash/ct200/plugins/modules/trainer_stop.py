@@ -1,4 +1,6 @@
 #!/usr/bin/python
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Stop a recorded trainer: SIGTERM, wait for its checkpoint and exit, SIGKILL after a timeout."""
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ options:
     type: int
     default: 20
 author:
-  - DFlash CT 200 team
+  - DFlash CT 200 team (!UNKNOWN)
 """
 
 EXAMPLES = r"""
@@ -79,6 +81,15 @@ repair:
   description: With O(runs_dir), one line where the controller's cache disagreed with the target, else null.
   type: str
   returned: with O(runs_dir)
+pid:
+  description: The PID of the trainer that was (or would be) stopped; with O(runs_dir), the target's.
+  type: int
+  returned: always
+log_tail:
+  description: The last lines of the log after the stop.
+  type: list
+  elements: str
+  returned: when it was signalled
 killed:
   description: Whether SIGKILL was needed.
   type: bool

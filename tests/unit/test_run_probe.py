@@ -1,0 +1,225 @@
+"""dflash.ct200.run_probe: classifies a recorded trainer (none, running, exited, not_ours) from PID,
+start time and boot id; reads progress, tau and the log's tail; waits for a log line and fails
+naming the exit status or the timeout; reports an output, free disk space, the target's records
+(and what the controller's cache got wrong) and GPUs. Real processes: the stand-in trainer of
+tests/unit/standin.py, started through trainer_start and killed by PID at the end of every test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import boot_id
+from ansible_collections.dflash.ct200.plugins.modules import run_probe, trainer_start
+
+from tests.unit.standin import Started, gone_within, kill_and_reap, logged_within, not_the_trainer, workspace
+
+
+@pytest.fixture
+def trainer(tmp_path, run_module):
+    """start(*args, out=None) -> trainer_start's result for a stand-in trainer in tmp_path."""
+    script = workspace(tmp_path / "ws")
+    with Started() as started:
+
+        def start(*args: str, out=None) -> dict:
+            params = {"script": str(script), "log": str(tmp_path / "train.log"), "run": "nographs"}
+            if out:
+                params["out"] = str(out)
+                args = (*args, "--out", str(out))
+            result = run_module(trainer_start.main, {**params, "args": list(args)})
+            started.add(result.result)
+            assert not result.failed, result.result["msg"]
+            return result.result
+
+        yield start
+
+
+def probe(run_module, **args):
+    return run_module(run_probe.main, args)
+
+
+def identity(started: dict) -> dict:
+    return {key: started[key] for key in ("pid", "start_time", "boot_id")} | {"run": "nographs"}
+
+
+def test_nothing_recorded_is_state_none(run_module) -> None:
+    result = probe(run_module)
+    assert not result.failed and result.result["changed"] is False
+    assert result.result["state"] == "none" and result.result["pid"] is None
+    assert result.result["boot_id"] == boot_id()
+
+
+def test_a_live_trainer_is_running_with_its_progress_and_tau(tmp_path, run_module, trainer) -> None:
+    started = trainer()
+    log = tmp_path / "train.log"
+    assert logged_within(log, "eval step 2 ", 10)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"kind": "eval", "step": 4, "tau": 2.25, "prompts": 8}) + "\n{partial")
+    result = probe(run_module, **identity(started), log=str(log), metrics=str(metrics), tail_lines=3)
+    assert result.result["state"] == "running" and result.result["alive"] is True
+    assert result.result["cmdline"] == started["cmdline"]
+    assert result.result["last_progress"].startswith("step ")
+    assert result.result["last_eval"] == {"kind": "eval", "step": 4, "tau": 2.25, "prompts": 8}
+    assert len(result.result["log_tail"]) == 3
+    # Without metrics.jsonl (a host that is not rank 0's), the log's eval line.
+    from_log = probe(run_module, **identity(started), log=str(log))
+    assert from_log.result["last_eval"]["tau"] == 1.5
+
+
+def test_another_start_time_boot_id_or_program_behind_the_pid_is_not_ours(
+    tmp_path, run_module, trainer
+) -> None:
+    started = trainer()
+    recorded = identity(started)
+    assert (
+        probe(run_module, **{**recorded, "start_time": recorded["start_time"] - 1}).result["state"]
+        == "not_ours"
+    )
+    assert probe(run_module, **{**recorded, "boot_id": "another-boot"}).result["state"] == "not_ours"
+    assert probe(run_module, **{**recorded, "run": "graphs"}).result["state"] == "not_ours"
+    other = trainer_start_other(tmp_path, run_module)
+    try:
+        mine = probe(run_module, pid=other, run="nographs")
+        assert mine.result["state"] == "not_ours" and mine.result["alive"] is True
+    finally:
+        kill_and_reap(other)
+
+
+def trainer_start_other(tmp_path, run_module) -> int:
+    """A process that is not the trainer (started as trainer_start would, then left to run)."""
+    script = not_the_trainer(tmp_path / "other")
+    result = run_module(
+        trainer_start.main,
+        {"script": str(script), "log": str(tmp_path / "other.log"), "run": "nographs", "settle": 0.2},
+    )
+    assert result.failed and result.result["pid"]
+    return result.result["pid"]
+
+
+def test_an_ended_trainer_is_exited_with_the_status_its_log_tells(tmp_path, run_module, trainer) -> None:
+    started = trainer("--behave", "finish")
+    assert gone_within(started["pid"], 10)
+    result = probe(run_module, **identity(started), log=str(tmp_path / "train.log"))
+    assert result.result["state"] == "exited" and result.result["alive"] is False
+    assert result.result["exit_status"] == 0 and result.result["exit_reason"] == "finished"
+
+
+def test_wait_for_returns_the_matching_line_once_it_is_logged(tmp_path, run_module, trainer) -> None:
+    started = trainer("--first-step-after", "0.5")
+    result = probe(
+        run_module,
+        **identity(started),
+        log=str(tmp_path / "train.log"),
+        wait_for=r"^step \d+/\d+ ",
+        timeout=20,
+    )
+    assert not result.failed, result.result["msg"]
+    assert result.result["matched"].startswith("step 1/10 ")
+    assert result.result["waited_s"] >= 0.3
+
+
+def test_wait_for_fails_naming_the_exit_status_when_the_trainer_dies_first(
+    tmp_path, run_module, trainer
+) -> None:
+    started = trainer("--first-step-after", "30")
+    assert logged_within(tmp_path / "train.log", "stand-in trainer", 10)
+    kill_and_reap(started["pid"])
+    result = probe(
+        run_module, **identity(started), log=str(tmp_path / "train.log"), wait_for="^step ", timeout=20
+    )
+    assert result.failed and result.result["state"] == "exited"
+    assert (
+        f"the trainer (PID {started['pid']}) is exited before logging a line matching '^step '"
+        in (result.result["msg"])
+    )
+    assert "exit status: unknown (the log does not say)" in result.result["msg"]
+    assert "stand-in trainer" in result.result["msg"], "the log's tail is missing"
+
+
+def test_wait_for_fails_at_the_timeout_and_leaves_the_trainer_running(tmp_path, run_module, trainer) -> None:
+    started = trainer("--first-step-after", "30")
+    result = probe(
+        run_module, **identity(started), log=str(tmp_path / "train.log"), wait_for="^step ", timeout=0.5
+    )
+    assert result.failed and result.result["state"] == "running"
+    assert (
+        "is alive but logged no line matching '^step ' within 0 s (it keeps running" in result.result["msg"]
+    )
+    assert probe(run_module, **identity(started)).result["state"] == "running"
+
+
+def test_the_target_s_records_win_over_an_empty_or_stale_cache(tmp_path, run_module, trainer) -> None:
+    runs = tmp_path / "runs"
+    started = trainer(out=runs / "nographs")
+    for cached in ({}, {"run_id": "nographs-old", "pid": 1, "started_at": "2026-01-01T00:00:00Z"}):
+        result = probe(run_module, runs_dir=str(runs), recorded=cached, log=str(tmp_path / "train.log"))
+        assert not result.failed
+        target = result.result["target"]
+        assert result.result["state"] == "running" and result.result["pid"] == started["pid"]
+        assert target["record"]["run_id"] == started["run_id"] and target["record"]["state"] == "running"
+        assert target["repair"].startswith("the controller's cache had ")
+        assert f"the target holds run {started['run_id']} (running, PID {started['pid']})" in target["repair"]
+        assert [run["pid"] for run in target["live_runs"]] == [started["pid"]]
+    agreeing = probe(run_module, runs_dir=str(runs), recorded=started["record"])
+    assert agreeing.result["target"]["repair"] is None
+
+
+def test_a_killed_run_is_exited_with_the_reason_from_its_record(tmp_path, run_module, trainer) -> None:
+    runs = tmp_path / "runs"
+    started = trainer(out=runs / "nographs")
+    kill_and_reap(started["pid"])
+    result = probe(run_module, runs_dir=str(runs), recorded=started["record"])
+    assert result.result["state"] == "exited"
+    assert result.result["exit_reason"].startswith("killed: it ended without closing its run record")
+    assert result.result["target"]["record"]["state"] == "exited"
+    assert "says exited: cache and ledger repaired" in result.result["target"]["repair"]
+
+
+def test_an_output_and_the_disk_before_a_launch(tmp_path, run_module) -> None:
+    out = tmp_path / "runs" / "nographs"
+    (out / "checkpoints").mkdir(parents=True)
+    for step in (5, 10):
+        (out / "checkpoints" / f"step_{step:08d}.pt").write_bytes(b"x" * 2**20)
+    (out / "checkpoints" / ".step_00000015.pt.99.tmp").write_bytes(b"a save cut short")
+    (out / "run.json").write_text(json.dumps({"run_id": "r", "state": "finished"}))
+    (out / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 10, "tau": 3.0}) + "\n")
+    result = probe(
+        run_module, out=str(out), steps=10, disk_path=str(tmp_path / "not" / "yet"), min_free_mib=1
+    )
+    output = result.result["output"]
+    assert output["checkpoints"] == 2 and output["last_step"] == 10 and output["finished"] is True
+    assert output["last_checkpoint"].endswith("step_00000010.pt") and output["checkpoint_mib"] == 1.0
+    assert output["record_state"] == "finished" and output["tau"]["tau"] == 3.0
+    disk = result.result["disk"]
+    assert disk["path"] == str(tmp_path) and disk["ok"] is True and disk["required_mib"] == 3
+    short = probe(run_module, out=str(out), steps=20, disk_path=str(tmp_path), min_free_mib=2**40)
+    assert short.result["output"]["finished"] is False
+    assert short.result["disk"]["ok"] is False and short.result["disk"]["required_mib"] == 2**40
+
+
+def test_gpus_without_nvidia_smi_do_not_fail(monkeypatch, tmp_path, run_module) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    result = probe(run_module, gpus=True)
+    assert not result.failed
+    assert result.result["gpu"] == {
+        "available": False,
+        "gpus": [],
+        "problems": [],
+        "lines": [],
+        "note": "nvidia-smi not found on PATH",
+    }
+
+
+def test_bad_input_is_refused_by_name(run_module) -> None:
+    not_a_pattern = probe(run_module, pid=1, wait_for="step (")
+    assert not_a_pattern.failed
+    assert not_a_pattern.result["msg"].startswith("wait_for 'step (' is not a regular expression: ")
+    not_a_pid = probe(run_module, pid="twelve")
+    assert not_a_pid.failed and "pid" in not_a_pid.result["msg"]
+
+
+def test_check_mode_reports_the_same_and_changes_nothing(tmp_path, run_module, trainer) -> None:
+    started = trainer()
+    result = run_module(run_probe.main, identity(started), check_mode=True)
+    assert not result.failed and result.result["changed"] is False
+    assert result.result["state"] == "running"

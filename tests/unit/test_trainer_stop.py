@@ -1,0 +1,141 @@
+"""dflash.ct200.trainer_stop: SIGTERM to the recorded trainer only when it still is that trainer,
+its checkpoint line, SIGKILL after the timeout; nothing done for no run, an ended run or a PID that
+now belongs to another process; the trainer found on the target when the cache is empty. Real
+processes: the stand-in trainer of tests/unit/standin.py, killed by PID at the end of every test."""
+
+from __future__ import annotations
+
+import pytest
+from ansible_collections.dflash.ct200.plugins.module_utils.run_record import read_record
+from ansible_collections.dflash.ct200.plugins.modules import trainer_start, trainer_stop
+
+from tests.unit.standin import (
+    Started,
+    alive,
+    gone_within,
+    kill_and_reap,
+    logged_within,
+    not_the_trainer,
+    workspace,
+)
+
+
+@pytest.fixture
+def trainer(tmp_path, run_module):
+    """start(*args, out=None) -> trainer_start's result for a stand-in trainer that has logged a step."""
+    script = workspace(tmp_path / "ws")
+    log = tmp_path / "train.log"
+    with Started() as started:
+
+        def start(*args: str, out=None) -> dict:
+            params = {"script": str(script), "log": str(log), "run": "nographs"}
+            if out:
+                params["out"] = str(out)
+                args = (*args, "--out", str(out))
+            result = run_module(trainer_start.main, {**params, "args": list(args)})
+            started.add(result.result)
+            assert not result.failed, result.result["msg"]
+            assert logged_within(log, "step 1/10 ", 10)
+            return result.result
+
+        yield start
+
+
+def recorded(started: dict, log) -> dict:
+    return {key: started[key] for key in ("pid", "start_time", "boot_id")} | {
+        "run": "nographs",
+        "log": str(log),
+    }
+
+
+def test_sigterm_stops_the_trainer_after_its_checkpoint(tmp_path, run_module, trainer) -> None:
+    log = tmp_path / "train.log"
+    started = trainer(out=tmp_path / "runs" / "nographs")
+    result = run_module(trainer_stop.main, recorded(started, log))
+    assert not result.failed, result.result["msg"]
+    assert result.result["changed"] is True and result.result["state_before"] == "running"
+    assert result.result["killed"] is False and result.result["pid"] == started["pid"]
+    # The module counts a process whose memory is released as gone (it is exiting): allow the rest.
+    assert gone_within(started["pid"], 5)
+    checkpoint = result.result["checkpoint"]
+    assert checkpoint.startswith("checkpoint saved step ") and "step_000000" in checkpoint
+    assert result.result["msg"] == f"stopped PID {started['pid']} after SIGTERM; {checkpoint}"
+    assert result.result["log_tail"][-1].startswith("stopped at step ")
+    assert 0 <= result.result["stopped_in_s"] < 10
+
+
+def test_a_trainer_ignoring_sigterm_is_killed_after_the_timeout(tmp_path, run_module, trainer) -> None:
+    log = tmp_path / "train.log"
+    started = trainer("--behave", "ignore-term")
+    result = run_module(trainer_stop.main, {**recorded(started, log), "timeout": 0.5})
+    assert not result.failed, result.result["msg"]
+    assert result.result["killed"] is True and gone_within(started["pid"], 5)
+    assert result.result["stopped_in_s"] >= 0.5
+    assert (
+        f"the trainer (PID {started['pid']}) did not exit within 0 s of SIGTERM: sent SIGKILL"
+        in (result.result["msg"])
+    )
+    assert result.result["checkpoint"] is None
+
+
+def test_check_mode_says_what_it_would_do_and_signals_nothing(tmp_path, run_module, trainer) -> None:
+    started = trainer()
+    result = run_module(trainer_stop.main, recorded(started, tmp_path / "train.log"), check_mode=True)
+    assert not result.failed and result.result["changed"] is True
+    assert result.result["msg"] == f"would send SIGTERM to PID {started['pid']}"
+    assert alive(started["pid"])
+
+
+def test_nothing_recorded_or_an_ended_trainer_is_left_unchanged(tmp_path, run_module, trainer) -> None:
+    nothing = run_module(trainer_stop.main, {})
+    assert not nothing.failed and nothing.result["changed"] is False
+    assert nothing.result["state_before"] == "none"
+    assert nothing.result["msg"] == "no run is recorded for this host"
+    started = trainer()
+    kill_and_reap(started["pid"])
+    ended = run_module(trainer_stop.main, recorded(started, tmp_path / "train.log"))
+    assert ended.result["changed"] is False and ended.result["state_before"] == "exited"
+    assert ended.result["msg"] == "the recorded trainer has exited already"
+
+
+def test_a_pid_that_now_belongs_to_another_process_is_left_alone(tmp_path, run_module) -> None:
+    script = not_the_trainer(tmp_path / "other")
+    with Started() as started:
+        other = run_module(
+            trainer_start.main,
+            {"script": str(script), "log": str(tmp_path / "other.log"), "run": "nographs", "settle": 0.2},
+        )
+        pid = started.add(other.result)
+        assert other.failed and pid
+        result = run_module(trainer_stop.main, {"pid": pid, "run": "nographs", "timeout": 1})
+        assert result.result["changed"] is False and result.result["state_before"] == "not_ours"
+        assert result.result["msg"] == "the recorded PID now belongs to another process; it is left alone"
+        assert alive(pid)
+
+
+def test_with_the_cache_lost_the_trainer_is_found_on_the_target_and_its_record_closed(
+    tmp_path, run_module, trainer
+) -> None:
+    runs = tmp_path / "runs"
+    started = trainer(out=runs / "nographs")
+    result = run_module(
+        trainer_stop.main, {"runs_dir": str(runs), "recorded": {}, "log": str(tmp_path / "train.log")}
+    )
+    assert not result.failed, result.result["msg"]
+    assert result.result["pid"] == started["pid"] and gone_within(started["pid"], 5)
+    assert result.result["repair"].startswith("the controller's cache had no run; the target holds run ")
+    record = result.result["record"]
+    assert (
+        record["run_id"] == started["run_id"] and record["state"] == "stopped" and record["killed"] is False
+    )
+    # The checkpoint comes from the output's checkpoint directory, in the log's form.
+    assert result.result["checkpoint"].startswith("checkpoint saved step ")
+    assert str(runs / "nographs" / "checkpoints") in result.result["checkpoint"]
+    assert read_record(runs / "nographs")["state"] == "stopped"
+
+
+def test_bad_input_is_refused_by_name_and_signals_nothing(tmp_path, run_module, trainer) -> None:
+    started = trainer()
+    result = run_module(trainer_stop.main, {**recorded(started, tmp_path / "train.log"), "timeout": "later"})
+    assert result.failed and "timeout" in result.result["msg"]
+    assert alive(started["pid"])
