@@ -8,6 +8,7 @@ from ansible_collections.dflash.ct200.plugins.filter.passthrough import (
     device_numbers,
     nvidia_devices,
     passthrough_entries,
+    passthrough_mounts,
     pct_changes,
     pct_entries,
 )
@@ -51,6 +52,16 @@ def test_wanted_entries_number_devices_and_mounts_in_order() -> None:
         "mp0": "/tank/datasets,mp=/data,ro=1",
         "mp1": "/tank/ct200-workspace,mp=/workspace",
     }
+
+
+def test_mounts_get_their_documented_defaults() -> None:
+    assert passthrough_mounts(
+        [{"host": "/a", "path": "/b"}, {"host": "/c", "path": "/d", "create": True}]
+    ) == [
+        {"host": "/a", "path": "/b", "readonly": False, "create": False},
+        {"host": "/c", "path": "/d", "readonly": False, "create": True},
+    ]
+    assert passthrough_mounts(None) == []
 
 
 def test_no_gpus_and_no_mounts_want_nothing() -> None:
@@ -113,6 +124,7 @@ def test_the_filters_are_registered_under_their_names() -> None:
     assert set(passthrough.FilterModule().filters()) == {
         "nvidia_devices",
         "device_numbers",
+        "passthrough_mounts",
         "passthrough_entries",
         "pct_changes",
     }

@@ -34,6 +34,11 @@ def device_numbers(stat_lines: list[str]) -> dict:
     return found
 
 
+def passthrough_mounts(mounts: list) -> list[dict]:
+    """The mounts with their documented defaults filled in: readonly and create false."""
+    return [{"readonly": False, "create": False, **mount} for mount in mounts or []]
+
+
 def passthrough_entries(gpus: list, mounts: list, device_mode: str = "0666") -> dict:
     """The devN and mpN entries the container's config should hold, in order: one per device node
     (nvidia_devices) with the mode inside the container, one per host folder mount."""
@@ -78,6 +83,7 @@ class FilterModule:
         return {
             "nvidia_devices": nvidia_devices,
             "device_numbers": device_numbers,
+            "passthrough_mounts": passthrough_mounts,
             "passthrough_entries": passthrough_entries,
             "pct_changes": pct_changes,
         }
