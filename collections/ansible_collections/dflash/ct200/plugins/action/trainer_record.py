@@ -30,7 +30,7 @@ class ActionModule(ActionBase):
 
     def run(self, tmp=None, task_vars=None):
         result = super().run(tmp, task_vars)
-        _, args = self.validate_argument_spec(argument_spec=ARGUMENT_SPEC)
+        args = self.validate_argument_spec(argument_spec=ARGUMENT_SPEC)[1]
         record = ledger.plain({**args["record"], **args["update"]})
         if not record.get("run_id"):
             raise AnsibleActionFail(
