@@ -63,9 +63,6 @@ options:
       - RV(target.repair) says in one line where the controller's cache (O(recorded)) disagrees, and
         RV(target.record) is the record to keep in the cache and the ledger.
     type: path
-  recorded:
-    description: The controller's cached record of this host's run (host fact C(trainer_run)); may be empty.
-    type: dict
   out:
     description:
       - A run's output directory to inspect before a launch (RV(output)), its checkpoints, record and tau.
@@ -88,19 +85,23 @@ options:
     description: Seconds to wait for O(wait_for).
     type: float
     default: 300
+extends_documentation_fragment:
+  - dflash.ct200.trainer_record
 author:
   - DFlash CT 200 team (!UNKNOWN)
 """
 
 EXAMPLES = r"""
-- name: Wait for the first progress line
+- name: Wait for the first progress line of the recorded trainer
   dflash.ct200.run_probe:
-    pid: "{{ trainer_run.pid }}"
-    start_time: "{{ trainer_run.start_time }}"
-    boot_id: "{{ trainer_run.boot_id }}"
-    log: "{{ trainer_run.log }}"
+    recorded: "{{ trainer_run }}"
     wait_for: '^step \d+/\d+ '
     timeout: 600
+
+- name: Read what the target runs, compared with the cached record
+  dflash.ct200.run_probe:
+    runs_dir: /workspace/runs
+    recorded: "{{ trainer_run | default({}) }}"
 """
 
 RETURN = r"""
@@ -243,6 +244,7 @@ import re
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.dflash.ct200.plugins.module_utils import trainer_record
 from ansible_collections.dflash.ct200.plugins.module_utils.gpu import gpu_report
 from ansible_collections.dflash.ct200.plugins.module_utils.run_record import (
     checkpoints,
@@ -421,7 +423,7 @@ def main() -> None:
             "max_utilization_pct": {"type": "int", "default": 5},
             "timeout": {"type": "float", "default": 300},
             "runs_dir": {"type": "path"},
-            "recorded": {"type": "dict"},
+            **trainer_record.argument_spec(),
             "out": {"type": "path"},
             "steps": {"type": "int"},
             "disk_path": {"type": "path"},
@@ -429,6 +431,7 @@ def main() -> None:
         },
         supports_check_mode=True,
     )
+    trainer_record.identity(module)
     if module.params["wait_for"] and module.params["pid"]:
         try:
             pattern = re.compile(module.params["wait_for"])

@@ -36,9 +36,6 @@ options:
         records and output locks, as C(run_probe) does), whether O(recorded) is right, stale or empty;
         the checkpoint is read from the output's checkpoint directory, not the log.
     type: path
-  recorded:
-    description: The controller's cached record (host fact C(trainer_run)), used with O(runs_dir).
-    type: dict
   timeout:
     description: Seconds to wait for the exit after SIGTERM before SIGKILL.
     type: float
@@ -47,6 +44,8 @@ options:
     description: How many lines of the log to return.
     type: int
     default: 20
+extends_documentation_fragment:
+  - dflash.ct200.trainer_record
 author:
   - DFlash CT 200 team (!UNKNOWN)
 """
@@ -54,11 +53,13 @@ author:
 EXAMPLES = r"""
 - name: Stop the recorded trainer
   dflash.ct200.trainer_stop:
-    pid: "{{ trainer_run.pid }}"
-    start_time: "{{ trainer_run.start_time }}"
-    boot_id: "{{ trainer_run.boot_id }}"
-    log: "{{ trainer_run.log }}"
+    recorded: "{{ trainer_run }}"
     timeout: 120
+
+- name: Stop whatever trainer of ours runs on the target
+  dflash.ct200.trainer_stop:
+    runs_dir: /workspace/runs
+    recorded: "{{ trainer_run | default({}) }}"
 """
 
 RETURN = r"""
@@ -106,6 +107,7 @@ import signal
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.dflash.ct200.plugins.module_utils import trainer_record
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     CHECKPOINT_RE,
     newest_checkpoint,
@@ -189,10 +191,11 @@ def main() -> None:
             "timeout": {"type": "float", "default": 120},
             "tail_lines": {"type": "int", "default": 20},
             "runs_dir": {"type": "path"},
-            "recorded": {"type": "dict"},
+            **trainer_record.argument_spec(),
         },
         supports_check_mode=True,
     )
+    trainer_record.identity(module)
     params = module.params
     found = {"run": None, "record": None, "repair": None}
     if params["runs_dir"]:

@@ -1,0 +1,83 @@
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Filters that word what a playbook did for people: the launch summary (role run_wait publishes
+each host's launch as data, this renders the lines the run_summary callback prints) and the
+`-i INVENTORY` options to repeat in the commands it suggests."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+PROXMOX_CONNECTION = "community.proxmox.proxmox_pct_remote"
+LABEL_WIDTH = 9  # "run      ", "PID      ": a label column the eye can follow down
+
+
+def _labelled(label: str, text) -> str:
+    return f"{label:<{LABEL_WIDTH}}{text}"
+
+
+def inventory_options(sources: list[str], repo_dir: str) -> str:
+    """' -i SOURCE ...' for the commands shown, with SOURCE relative to the checkout where it lies
+    inside it; '' where the inventory is the default one of ansible.cfg (inventory/local)."""
+    sources = [str(source) for source in sources or []]
+    repo_dir = str(repo_dir).rstrip("/")
+    if ",".join(sources) == f"{repo_dir}/inventory/local":
+        return ""
+    inside = re.compile("^" + re.escape(repo_dir) + "/")
+    return " -i " + " -i ".join(inside.sub("", source) for source in sources)
+
+
+def follow_command(log: str, connection: str = "", user: str = "", host: str = "", vmid=None) -> str:
+    """The command that follows a trainer's log from the controller: through the Proxmox node into
+    the container where the inventory reaches it that way, else a plain tail."""
+    prefix = ""
+    if connection == PROXMOX_CONNECTION:
+        prefix = f"ssh {user or 'root'}@{host} pct exec {vmid} -- "
+    return f"{prefix}tail -f {shlex.quote(str(log))}"
+
+
+def progress_text(launch: dict) -> str:
+    if launch.get("matched") is None:
+        return "not waited for progress"
+    return f"first progress after {launch.get('waited_s')} s: {launch['matched']}"
+
+
+def launch_summary(launches: list[dict], endpoint: str = "", inventory: str = "") -> list[str]:
+    """The launch summary, one line each. `launches` holds each host's launch in inventory order:
+    host, run, run_id, pid, log, follow (follow_command), and matched and waited_s where the wait
+    saw the first progress line. One host: its run, PID, log and how to follow it; several: the run
+    and its rendezvous `endpoint`, then a block per host. Then how to watch and stop it, with the
+    `inventory` options (inventory_options)."""
+    if not launches:
+        return []
+    first = launches[0]
+    if len(launches) == 1:
+        lines = [
+            _labelled("run", f"{first['run']} ({first['run_id']}) on {first['host']}"),
+            _labelled("PID", f"{first['pid']}  ({progress_text(first)})"),
+            _labelled("log", first["log"]),
+            _labelled("follow", first["follow"]),
+        ]
+    else:
+        hosts = [launch["host"] for launch in launches]
+        together = f"{first['run']} on {len(hosts)} hosts ({', '.join(hosts)}), rendezvous {endpoint}"
+        lines = [_labelled("run", together)]
+        for launch in launches:
+            lines += [
+                f"{launch['host']}: PID {launch['pid']} ({launch['run_id']}), {progress_text(launch)}",
+                "  " + _labelled("log", launch["log"]),
+                "  " + _labelled("follow", launch["follow"]),
+            ]
+    lines.append(_labelled("status", f"./dev.sh status{inventory}"))
+    lines.append(_labelled("stop", f"./dev.sh stop{inventory}"))
+    return lines
+
+
+class FilterModule:
+    def filters(self):
+        return {
+            "inventory_options": inventory_options,
+            "follow_command": follow_command,
+            "launch_summary": launch_summary,
+        }
