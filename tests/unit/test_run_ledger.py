@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from ansible.errors import AnsibleActionFail
 from ansible.plugins.loader import action_loader
-from ansible_collections.dflash.ct200.plugins.action.run_ledger import merge
+from ansible_collections.dflash.ct200.plugins.plugin_utils.ledger import merge
 
 
 def run_ledger(args: dict, check_mode: bool = False) -> dict:

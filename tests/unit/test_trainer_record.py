@@ -168,14 +168,7 @@ def test_a_bad_identity_field_is_named() -> None:
 
 
 MODULES_TAKING_THE_RECORD = [
-    pytest.param(
-        run_probe,
-        id="run_probe",
-        # strict: once the YAML is fixed this passes, and the marker must go.
-        marks=pytest.mark.xfail(
-            strict=True, reason="run_probe's DOCUMENTATION is not valid YAML yet (runs_dir's description)"
-        ),
-    ),
+    pytest.param(run_probe, id="run_probe"),
     pytest.param(trainer_stop, id="trainer_stop"),
 ]
 
