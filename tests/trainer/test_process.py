@@ -390,7 +390,10 @@ def test_launch_command_per_topology(tmp_path):
         "--rdzv-conf=timeout=600 " in nodes
     )
     threaded = dry("--", "--run", "nographs")
-    assert "-m trainer --run nographs" in threaded and "torch.distributed" not in threaded
+    assert "-m trainer.supervise --max-restarts=0 --backoff-s=10 -m trainer -- --run nographs" in threaded
+    assert "torch.distributed" not in threaded
+    recovering = dry("--max-restarts=3", "--restart-backoff-s=2", "--", "--run", "process")
+    assert "--max-restarts=3 --restart-backoff-s=2 " in recovering
 
 
 def test_graphs_profile_process_only(tmp_path):
@@ -417,3 +420,45 @@ def test_torchrun_wrapper_drops_an_option_older_torchrun_lacks():
         "x",
     ]
     assert without_option(argv, "--shutdown-timeout") == ["--standalone", "--nproc-per-node=2", "-m", "x"]
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_losses_continue_exactly(embedded, cache_dir, tmp_path):
+    """--max-restarts: torchrun's own restart, every rank resumes from rank 0's newest checkpoint."""
+    common = [
+        "--run",
+        "process",
+        *TINY,
+        "--steps=10",
+        f"--set=data.cache_dir={cache_dir}",
+        "--set=parallel.cpu_workers=2",
+        "--set=train.checkpoint_every=2",
+    ]
+    straight = launch(*common, "--out", str(tmp_path / "straight"), log=tmp_path / "straight.log")
+    try:
+        assert straight.wait(timeout=240) == 0, (tmp_path / "straight.log").read_text()[-3000:]
+    finally:
+        end(straight)
+
+    out, log = tmp_path / "recovered", tmp_path / "recovered.log"
+    proc = launch(
+        *common, "--out", str(out), log=log, options=("--max-restarts=2", "--restart-backoff-s=0.2")
+    )
+    try:
+        wait_for(lambda: "checkpoint saved step 2 " in log.read_text(), 180, "the first checkpoint", proc)
+        os.kill(ranks_of(proc.pid)[1], signal.SIGKILL)
+        assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        end(proc)
+    text = log.read_text()
+    assert "restart 1/2 with --resume" in text and f"resumed from {out}/checkpoints" in text
+
+    def by_step(run: Path) -> dict[int, float]:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return {row["step"]: row["loss"] for row in rows if row["kind"] == "train"}
+
+    assert by_step(out) == by_step(tmp_path / "straight")
+    from trainer.events import read_events
+
+    events = read_events(out)
+    assert [e["event"] for e in events] == ["start", "crash", "restart", "finish"], events
+    assert events[1]["reason"].startswith("rank 1 killed by SIGKILL"), events[1]
