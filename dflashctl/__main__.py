@@ -1,4 +1,5 @@
 """python -m dflashctl {launch RUN | status | stop} [--by-host]: print the result as JSON.
+python -m dflashctl logs [--lines N] [--follow]: print the recorded run's log (and follow it).
 
 Without --by-host: the first host's result (the only host of a one-host inventory); with it:
 {host: result} for every host of group trainers, in inventory order."""
@@ -25,9 +26,16 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--resume", action="store_true", help="continue the run from its checkpoint")
     sub.add_parser("status", parents=[every], help="report the recorded run (playbooks/status.yml)")
     sub.add_parser("stop", parents=[every], help="stop the recorded run (playbooks/stop.yml)")
+    logs = sub.add_parser("logs", help="print the recorded run's log (playbooks/logs.yml)")
+    logs.add_argument("--lines", type=int, default=20, help="how many of the last lines (default 20)")
+    logs.add_argument("--follow", action="store_true", help="then every new line until the trainer exits")
     args = parser.parse_args(argv)
     controller = Controller(Settings(inventory=args.inventory, state_dir=args.state_dir, limit=args.limit))
     try:
+        if args.command == "logs":
+            for line in controller.logs(lines=args.lines, follow=args.follow):
+                print(line, flush=True)
+            return 0
         if args.command == "launch":
             extravars = {"resume": True} if args.resume else {}
             launch_run = controller.launch_by_host if args.by_host else controller.launch
@@ -39,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     except PlaybookFailed as failure:
         print(failure, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
     print(json.dumps(result, indent=2, sort_keys=True))
     return 0
 
