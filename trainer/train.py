@@ -66,8 +66,18 @@ class BadInput(Exception):
 class Output:
     """stdout and <out>/train.log, line by line, flushed; metrics.jsonl rows."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, tensorboard: bool = False):
         self.lock = threading.Lock()  # workers log their compile line from their own threads
+        self.board = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise BadInput(
+                    "log.tensorboard is true but the tensorboard package is missing: install it "
+                    "(pip install tensorboard==2.21.0) or set log.tensorboard: false"
+                ) from None
+            self.board = SummaryWriter(str(out_dir / "tensorboard"))
         self.log_file: TextIO = (out_dir / "train.log").open("a")
         self.metrics: TextIO = (out_dir / "metrics.jsonl").open("a")
 
@@ -80,10 +90,17 @@ class Output:
     def metric(self, row: dict[str, Any]) -> None:
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
+        if self.board is not None:
+            for key, value in row.items():
+                if key not in ("kind", "step") and isinstance(value, (int, float)):
+                    self.board.add_scalar(f"{row['kind']}/{key}", value, row["step"])
+            self.board.flush()
 
     def close(self) -> None:
         self.log_file.close()
         self.metrics.close()
+        if self.board is not None:
+            self.board.close()
 
 
 class ConsoleOutput(Output):
@@ -417,7 +434,7 @@ def _train(
     if lead_rank:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yml").write_text(dump_config(cfg))
-        out: Output = Output(out_dir)
+        out: Output = Output(out_dir, cfg.log.tensorboard)
     elif world is not None and world.local_rank == 0:
         out = ConsoleOutput()  # the first rank of another host: its host's log
     else:
