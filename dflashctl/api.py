@@ -131,6 +131,26 @@ class Controller:
         """Run stop.yml; return what happened on every host, by host name."""
         return self.run_playbook("stop.yml", extravars).stats["dflash_stop_by_host"]
 
+    def runs(self, run: str | None = None, **extravars: Any) -> list[dict[str, Any]]:
+        """Run runs.yml; return every launch, newest first: run, run_id, host, state (running,
+        finished, stopped, failed, crashed, recovered), started, duration_s, step, total_steps,
+        last_loss, best_tau, last_tau, tokens_per_s, restarts, exit_reason, in_ledger."""
+        if run is not None:
+            extravars = {"run": run, **extravars}
+        return self.run_playbook("runs.yml", extravars).stats["dflash_runs"]
+
+    def runs_table(self, run: str | None = None, **extravars: Any) -> list[str]:
+        """Run runs.yml; return its table, one line per launch (what ansible-playbook prints)."""
+        if run is not None:
+            extravars = {"run": run, **extravars}
+        return self.run_playbook("runs.yml", extravars).stats["dflash_summary"]
+
+    def report(self, runs: list[str], **extravars: Any) -> dict[str, Any]:
+        """Run report.yml for these runs; return {path, size, runs}: the PNG on the controller."""
+        if isinstance(runs, str) or not runs:
+            raise TypeError("runs is a list of run names, e.g. ['nographs', 'eager']")
+        return self.run_playbook("report.yml", {"runs": ",".join(runs), **extravars}).stats["dflash_report"]
+
     def logs(self, lines: int = 20, follow: bool = False, **extravars: Any) -> Iterator[str]:
         """Run logs.yml and yield the log's lines as they come: the last ``lines`` lines, then with
         ``follow`` every new line until the trainer exits. The last line says how the run stands
