@@ -180,6 +180,10 @@ def test_a_crashed_trainer_recovers_and_notices_arrive(state_dir: Path) -> None:
 
         status = ctl.status()
         assert status["state"] == "exited"
+        assert status["restarts"] == 1, status
+        assert [e["event"] for e in status["events"]] == ["start", "crash", "restart", "finish"]
+        (row,) = ctl.runs()
+        assert row["state"] == "recovered" and row["restarts"] == 1 and row["step"] == 60
         # Nothing of the URL in the controller's files: ledger, facts, runner artifacts.
         for path in state_dir.rglob("*"):
             if path.is_file() and path != url_file and "workspace" not in path.parts:
@@ -189,3 +193,82 @@ def test_a_crashed_trainer_recovers_and_notices_arrive(state_dir: Path) -> None:
     finally:
         stop_leftovers(ctl, state_dir)
         receiver.close()
+
+
+def wait_until(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+@pytest.mark.slow
+def test_history_of_runs_with_different_endings_curves_and_a_report(state_dir: Path) -> None:
+    ctl = make_controller(state_dir)
+    try:
+        with pytest.raises(PlaybookFailed):
+            ctl.launch("nographs", workspace_trainer_set=[*TINY, "data.train_file=/nonexistent/chat.jsonl"])
+
+        # Killed outright (the recorded PID, by SIGKILL): nothing could record how it ended.
+        killed = ctl.launch(
+            "eager", workspace_trainer_set=[*TINY, "train.steps=100000", "train.checkpoint_every=0"]
+        )
+        os.kill(killed["pid"], signal.SIGKILL)
+        wait_until(lambda: not any(children(killed["pid"])), 30, "the trainer to die with its supervisor")
+
+        finished = ctl.launch(
+            "eager", workspace_trainer_set=[*TINY, "train.steps=30", "train.checkpoint_every=0"]
+        )
+        assert list(ctl.logs(follow=True))[-1].startswith("ct200: eager ended: finished at step 30")
+
+        ctl.launch(
+            "nographs", workspace_trainer_set=[*TINY, "train.steps=100000", "train.checkpoint_every=0"]
+        )
+        wait_until(lambda: len(train_rows(state_dir / "workspace/runs/nographs")) >= 4, 120, "step 8")
+        summary = ctl.run_playbook("status.yml", {}).stats["dflash_summary"]
+        loss_line = next(line for line in summary if line.startswith("  loss     "))
+        assert set(loss_line.split()[1]) <= set("▁▂▃▄▅▆▇█") and "/100000" in loss_line
+        assert any(line.startswith("  tau      ") for line in summary)
+        ctl.stop()
+
+        rows = ctl.runs()
+        assert [(r["run"], r["state"]) for r in rows] == [
+            ("nographs", "stopped"),
+            ("eager", "finished"),
+            ("eager", "crashed"),
+            ("nographs", "failed"),
+        ], rows
+        assert rows[1]["run_id"] == finished["run_id"] and rows[2]["run_id"] == killed["run_id"]
+        assert rows[1]["step"] == 30 and rows[1]["total_steps"] == 30 and rows[1]["last_tau"] >= 1.0
+        assert rows[1]["tokens_per_s"] > 0 and rows[1]["last_loss"] > 0 and rows[1]["duration_s"] > 0
+        assert "bad input" in rows[3]["exit_reason"]
+        table = ctl.runs_table()
+        assert table[0].startswith("RUN") and len(table) == 5
+        assert [r["run"] for r in ctl.runs(run="eager")] == ["eager", "eager"]
+
+        # The controller's ledger lost: the targets still know every launch and how it ended.
+        (state_dir / "runs.jsonl").rename(state_dir / "runs.jsonl.lost")
+        remembered = ctl.runs()
+        assert [(r["run"], r["state"], r["in_ledger"]) for r in remembered] == [
+            (r["run"], r["state"], False) for r in rows
+        ], remembered
+        (state_dir / "runs.jsonl.lost").rename(state_dir / "runs.jsonl")
+
+        report = ctl.report(["nographs", "eager"])
+        path = Path(report["path"])
+        assert path.parent == state_dir / "reports" and path.suffix == ".png"
+        assert report["runs"] == ["nographs", "eager"]
+        assert 20_000 < path.stat().st_size < 2_000_000
+        assert png_size(path) == (900, 1000)
+        with pytest.raises(PlaybookFailed, match="No metrics for graphs"):
+            ctl.report(["nographs", "graphs"])
+    finally:
+        stop_leftovers(ctl, state_dir)
