@@ -136,6 +136,17 @@ def post_notice(url: str, payload: dict, timeout: float = NOTICE_TIMEOUT_S) -> s
         return f"{type(exc).__name__}"
 
 
+def process_identity() -> dict:
+    """This process's start time (field 22 of /proc/self/stat) and the boot id: with the PID they
+    identify it even after the PID is reused (what the launch records too)."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return {}
+    return {"start_time": int(stat[stat.rindex(")") + 2 :].split()[19]), "boot_id": boot_id}
+
+
 class EventLog:
     """Appends events of one run to <out>/events.jsonl and sends its notices."""
 
@@ -145,6 +156,7 @@ class EventLog:
         self.run_id = run_id or os.environ.get(RUN_ID_ENV) or default_run_id(run, os.getpid())
         self.host = socket.gethostname()
         self.notify_url = notify_url if notify_url is not None else read_notify_url()
+        self.identity = process_identity()
 
     def record(
         self,
@@ -169,6 +181,8 @@ class EventLog:
             "reason": reason,
             "text": f"{self.run} on {self.host}: {text}",
         }
+        if event == "start":
+            row.update(self.identity)
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             with (self.out_dir / EVENTS_FILE).open("a") as handle:

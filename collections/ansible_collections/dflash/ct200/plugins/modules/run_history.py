@@ -49,7 +49,8 @@ runs:
   elements: dict
   returned: always
 alive:
-  description: PID (as a string) to whether the launch of O(live) with that PID still runs.
+  description: PID (as a string) to whether the launch of O(live), or of a start event, with
+    that PID still runs.
   type: dict
   returned: always
 """
@@ -164,7 +165,9 @@ def main() -> None:
         )
     runs = [summarize(out, module.params["points"]) for out in outs if os.path.isdir(out)]
     alive = {}
-    for launch in module.params["live"]:
+    # Launches the targets' own events name (those the controller's ledger may have lost).
+    started = [e for run in runs for e in run["events"] if e.get("event") == "start" and e.get("start_time")]
+    for launch in [*started, *module.params["live"]]:
         try:
             pid = int(launch.get("pid") or 0)
             start_time = int(launch["start_time"]) if launch.get("start_time") is not None else None
