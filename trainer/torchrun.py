@@ -185,6 +185,7 @@ def main() -> None:
     grace = shutdown_timeout(argv)
     backoff_s = float(option_value(argv, "--restart-backoff-s", "10"))
     argv = without_option(argv, "--restart-backoff-s")
+    events = run_events(argv)
     first: list[int] = []
 
     def forward(signum: int) -> None:
@@ -194,6 +195,8 @@ def main() -> None:
             # that never came), or all done (then torchrun may wait for the other hosts in its exit
             # barrier). Nothing to checkpoint, nobody to forward to: end now, not at a timeout.
             print(f"torchrun: {name} while no rank runs (rendezvous or exit barrier): exiting", flush=True)
+            if events is not None:
+                events.record("stop", f"stopped by {name} while no rank ran", exit_status=128 + signum)
             os._exit(128 + signum)
         send_to_children(signum)
         if not first:
@@ -213,7 +216,6 @@ def main() -> None:
     if "--shutdown-timeout" not in get_args_parser()._option_string_actions:
         # Older torchrun (torch 2.11 has none) refuses the option; the timer above keeps the grace.
         argv = without_option(argv, "--shutdown-timeout")
-    events = run_events(argv)
     decide_restarts(events, first, backoff_s)
     if events is not None:
         events.record("start", "started under torchrun")

@@ -326,7 +326,11 @@ def test_sigterm_while_the_rendezvous_waits_ends_torchrun_at_once(tmp_path):
     assert code == 128 + signal.SIGTERM, log.read_text()
     assert took < 10, f"torchrun took {took:.0f}s to end after SIGTERM"
     assert "torchrun: SIGTERM while no rank runs (rendezvous or exit barrier): exiting" in log.read_text()
-    assert not (tmp_path / "out").exists()
+    # Nothing ran: the output holds only the run's events, which say so.
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["events.jsonl"]
+    from trainer.events import read_events
+
+    assert [e["event"] for e in read_events(tmp_path / "out")] == ["start", "stop"]
 
 
 def run_trainer_process(*args: str, log: Path) -> int:
