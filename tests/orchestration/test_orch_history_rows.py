@@ -166,6 +166,6 @@ def test_sparkline_and_status_lines():
     )
     assert lines == [
         "  loss     █▅▁ 1.0000 at step 3/10",
-        "  tau      ▁█ last 1.500, best 1.500",
+        "  tau/eval ▁█ last 1.500, best 1.500 (2 evaluations)",
         "  restarts 1 (last at T, step 2: killed by SIGKILL)",
     ]

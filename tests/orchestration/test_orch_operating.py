@@ -236,7 +236,7 @@ def test_history_of_runs_with_different_endings_curves_and_a_report(state_dir: P
         summary = ctl.run_playbook("status.yml", {}).stats["dflash_summary"]
         loss_line = next(line for line in summary if line.startswith("  loss     "))
         assert set(loss_line.split()[1]) <= set("▁▂▃▄▅▆▇█") and "/100000" in loss_line
-        assert any(line.startswith("  tau      ") for line in summary)
+        assert any(line.startswith("  tau/eval ") for line in summary)
         ctl.stop()
 
         rows = ctl.runs()

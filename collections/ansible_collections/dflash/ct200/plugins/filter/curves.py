@@ -75,8 +75,8 @@ def curve_lines(run: dict | None, pid=None, width: int = 40) -> list[str]:
     taus = [row[1] for row in series.get("eval") or []]
     if taus:
         lines.append(
-            f"  tau      {sparkline(taus, width)} last {number(run.get('last_tau'), 3)}, "
-            f"best {number(run.get('best_tau'), 3)}"
+            f"  tau/eval {sparkline(taus, width)} last {number(run.get('last_tau'), 3)}, "
+            f"best {number(run.get('best_tau'), 3)} ({len(taus)} evaluations)"
         )
     events = [e for e in run.get("events") or [] if pid is None or str(e.get("pid")) == str(pid)]
     restarts = [e for e in events if e.get("event") == "restart"]
