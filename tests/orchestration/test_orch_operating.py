@@ -272,3 +272,31 @@ def test_history_of_runs_with_different_endings_curves_and_a_report(state_dir: P
             ctl.report(["nographs", "graphs"])
     finally:
         stop_leftovers(ctl, state_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("extravars", "message"),
+    [
+        (
+            {"recover_max_restarts": "three"},
+            "recover_max_restarts must be a whole number (0: never restart), got three",
+        ),
+        (
+            {"recover_max_restarts": -1},
+            "recover_max_restarts must be a whole number (0: never restart), got -1",
+        ),
+        ({"recover_backoff_s": "soon"}, "recover_backoff_s a number of seconds, got soon"),
+    ],
+)
+def test_bad_recovery_settings_are_refused_before_anything_starts(
+    state_dir: Path, extravars, message
+) -> None:
+    ctl = make_controller(state_dir, **extravars)
+    try:
+        with pytest.raises(PlaybookFailed) as failure:
+            ctl.launch("nographs")
+        assert message in str(failure.value)
+        assert not (state_dir / "runs.jsonl").exists() and not (state_dir / "workspace" / "run.sh").exists()
+    finally:
+        stop_leftovers(ctl, state_dir)
