@@ -40,8 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     controller = Controller(Settings(inventory=args.inventory, state_dir=args.state_dir, limit=args.limit))
     try:
         if args.command == "logs":
-            for line in controller.logs(lines=args.lines, follow=args.follow):
-                print(line, flush=True)
+            try:
+                for line in controller.logs(lines=args.lines, follow=args.follow):
+                    print(line, flush=True)
+            except KeyboardInterrupt:
+                print(
+                    "interrupted; the run itself is not affected (python -m dflashctl status)",
+                    file=sys.stderr,
+                )
+                return 130
             return 0
         if args.command == "runs" and not args.json:
             print("\n".join(controller.runs_table(run=args.run)))

@@ -208,3 +208,37 @@ def test_the_supervisor_refuses_bad_options(tmp_path):
         timeout=120,
     )
     assert result.returncode == 2 and "must not be negative" in result.stderr
+
+
+def test_a_stop_during_the_backoff_is_for_good(tmp_path, cache_dir):
+    out = tmp_path / "out"
+    log = tmp_path / "run.log"
+    with log.open("ab") as handle:
+        supervisor = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "trainer.launch",
+                "--max-restarts=3",
+                "--restart-backoff-s=60",
+                "--",
+                *common(cache_dir, steps=400),
+                "--out",
+                str(out),
+            ],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        (trainer,) = wait_for(lambda: children(supervisor.pid), 60, "the trainer", supervisor)
+        subprocess.run(["kill", "-KILL", str(trainer)], check=True)
+        wait_for(lambda: "restart 1/3 with --resume in 60s" in log.read_text(), 30, "the backoff", supervisor)
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=15) == 0, log.read_text()
+    finally:
+        finish(supervisor)
+    assert [e["event"] for e in read_events(out)] == ["start", "crash", "stop"]
+    assert read_events(out)[-1]["text"].endswith("stopped by SIGTERM before restarting")
