@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_controller, stop_leftovers
+from conftest import REPO, ledger, make_controller, stop_leftovers
 
 from dflashctl import PlaybookFailed
 
@@ -184,6 +184,8 @@ def test_a_crashed_trainer_recovers_and_notices_arrive(state_dir: Path) -> None:
         assert [e["event"] for e in status["events"]] == ["start", "crash", "restart", "finish"]
         (row,) = ctl.runs()
         assert row["state"] == "recovered" and row["restarts"] == 1 and row["step"] == 60
+        (recorded,) = ledger(state_dir)
+        assert recorded["restarts"] == 1 and recorded["restart_events"][0]["reason"] == "killed by SIGKILL"
         # Nothing of the URL in the controller's files: ledger, facts, runner artifacts.
         for path in state_dir.rglob("*"):
             if path.is_file() and path != url_file and "workspace" not in path.parts:

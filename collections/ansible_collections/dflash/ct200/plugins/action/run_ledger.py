@@ -11,8 +11,9 @@ from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 
 
-def merge(lines: list[str], record: dict) -> tuple[list[str], bool]:
-    """Replace the line of record's run_id (or append it); report whether anything changed."""
+def merge(lines: list[str], record: dict, update: bool = False) -> tuple[list[str], bool]:
+    """Replace the line of record's run_id (or append it); report whether anything changed.
+    With update, only the record's keys change in that line (and nothing is appended)."""
     encoded = json.dumps(record, sort_keys=True)
     out, found, changed = [], False, False
     for line in lines:
@@ -23,11 +24,12 @@ def merge(lines: list[str], record: dict) -> tuple[list[str], bool]:
             continue
         if isinstance(existing, dict) and existing.get("run_id") == record["run_id"]:
             found = True
-            changed = changed or existing != record
-            out.append(encoded)
+            merged = {**existing, **record} if update else record
+            changed = changed or existing != merged
+            out.append(json.dumps(merged, sort_keys=True) if update else encoded)
         else:
             out.append(line)
-    if not found:
+    if not found and not update:
         out.append(encoded)
         changed = True
     return out, changed
@@ -54,7 +56,7 @@ class ActionModule(ActionBase):
                     lines = [line.rstrip("\n") for line in handle if line.strip()]
             except FileNotFoundError:
                 lines = []
-            merged, changed = merge(lines, record)
+            merged, changed = merge(lines, record, bool(args.get("update", False)))
             if changed and not self._task.check_mode:
                 handle_fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".runs-")
                 with os.fdopen(handle_fd, "w", encoding="utf-8") as out:

@@ -155,10 +155,26 @@ def run_rows(ledger, histories, alive_by_host=None, run=None, now=None) -> list[
                 "restarts": sum(1 for e in events if e.get("event") == "restart"),
                 "exit_reason": reason,
                 "in_ledger": not record.get("only_on_target", False),
+                "ledger_restarts": record.get("restarts", 0),
+                "restart_events": [
+                    {key: e.get(key) for key in ("time", "step", "reason")}
+                    for e in events
+                    if e.get("event") == "restart"
+                ],
             }
         )
     rows.sort(key=lambda row: row["started"] or "", reverse=True)
     return rows
+
+
+def ledger_restarts(rows) -> list[dict]:
+    """Ledger updates for launches whose restarts the ledger does not hold yet: {run_id, restarts,
+    restart_events} (the time, step and reason of each restart, from the target's events)."""
+    return [
+        {"run_id": row["run_id"], "restarts": row["restarts"], "restart_events": row["restart_events"]}
+        for row in rows or []
+        if row.get("in_ledger") and row.get("restarts") and row.get("restarts") != row.get("ledger_restarts")
+    ]
 
 
 def duration(seconds) -> str:
@@ -231,6 +247,7 @@ class FilterModule:
     def filters(self):
         return {
             "ledger_records": ledger_records,
+            "ledger_restarts": ledger_restarts,
             "run_rows": run_rows,
             "run_table": run_table,
             "report_runs": report_runs,
