@@ -466,3 +466,34 @@ def test_torchrun_restarts_a_killed_rank_and_the_losses_continue_exactly(embedde
     events = read_events(out)
     assert [e["event"] for e in events] == ["start", "crash", "restart", "finish"], events
     assert events[1]["reason"].startswith("rank 1 killed by SIGKILL"), events[1]
+
+
+def test_torchrun_never_restarts_a_stop_or_bad_input(embedded, cache_dir, tmp_path):
+    """With restarts allowed: SIGTERM stops for good (every rank checkpoints, exit 0), and a rank
+    that exits 2 (bad input) fails the run at once instead of failing again max-restarts times."""
+    from trainer.events import read_events
+
+    common = [*TINY, f"--set=data.cache_dir={cache_dir}", "--set=parallel.cpu_workers=2"]
+    restarts = ("--max-restarts=3", "--restart-backoff-s=0.2")
+    out, log = tmp_path / "stopped", tmp_path / "stopped.log"
+    proc = launch("--run", "process", *common, "--steps=400", "--out", str(out), log=log, options=restarts)
+    try:
+        wait_for(lambda: "step 2/400" in log.read_text(), 180, "step 2", proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
+    finally:
+        end(proc)
+    assert log.read_text().count("run process: topology process") == 1
+    assert [e["event"] for e in read_events(out)] == ["start", "stop"]
+
+    out, log = tmp_path / "bad", tmp_path / "bad.log"
+    bad = ["--set=data.train_file=/nonexistent/chat.jsonl", "--set=model.target_path=/nonexistent/target"]
+    proc = launch("--run", "process", *common, *bad, "--out", str(out), log=log, options=restarts)
+    try:
+        assert proc.wait(timeout=180) != 0
+    finally:
+        end(proc)
+    events = read_events(out)
+    assert [e["event"] for e in events] == ["start", "failed"], events
+    assert events[-1]["exit_status"] == 2 and events[-1]["reason"].startswith("bad input: rank ")
+    assert "with --resume" not in log.read_text()
