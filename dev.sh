@@ -2,11 +2,14 @@
 # One entry point for people and CI. Creates .venv from requirements-dev.txt when it is missing or
 # the requirements changed, then runs the command.
 #
-#   ./dev.sh launch [RUN]   launch a run on the local default (default RUN: nographs)
-#   ./dev.sh status         report the recorded run
-#   ./dev.sh stop           stop it (SIGTERM, checkpoint, exit)
-#   ./dev.sh test           ruff, ansible-lint (production), pytest, molecule (default, proxmox)
-#   ./dev.sh bench          launch/status timings next to the raw nohup one-liner
+#   ./dev.sh launch [RUN] [OPTIONS]  launch a run (default RUN: nographs); OPTIONS go to
+#                                    ansible-playbook: -e resume=true, -e fresh=true, -i inventory/pair
+#   ./dev.sh status [OPTIONS]        report the run on the target
+#   ./dev.sh stop [OPTIONS]          stop it (SIGTERM, checkpoint, exit)
+#   ./dev.sh fast           ruff, ansible-lint (production), the unit tests (pytest -m unit)
+#   ./dev.sh sanity         ansible-test sanity for the collection dflash.ct200
+#   ./dev.sh test           everything: ruff, ansible-lint, sanity, pytest, molecule (default, proxmox)
+#   ./dev.sh bench          launch/status/stop timings next to a bare nohup start
 #   ./dev.sh setup          only create or update .venv
 set -eu
 
@@ -32,9 +35,16 @@ setup() {
     echo "$stamp" > "$VENV/.requirements.sha256"
 }
 
+run_fast() {
+    ruff check .
+    ansible-lint --profile production
+    python -m pytest -q -m unit
+}
+
 run_tests() {
     ruff check .
     ansible-lint --profile production
+    scripts/collection_sanity.sh
     python -m pytest -q
     molecule test -s default
     # The real-host path (tests/testnode): root, LXC, debootstrap and sshd, which .ci/run installs.
@@ -56,13 +66,21 @@ PATH="$VENV/bin:$PATH"
 export PATH
 case "$command" in
     setup) ;;
-    launch) exec ansible-playbook playbooks/launch.yml -e "run=${1:-nographs}" ;;
-    status) exec ansible-playbook playbooks/status.yml ;;
-    stop) exec ansible-playbook playbooks/stop.yml ;;
+    launch)
+        run=nographs
+        case "${1:-}" in
+            "" | -*) ;;
+            *) run=$1; shift ;;
+        esac
+        exec ansible-playbook playbooks/launch.yml -e "run=$run" "$@" ;;
+    status) exec ansible-playbook playbooks/status.yml "$@" ;;
+    stop) exec ansible-playbook playbooks/stop.yml "$@" ;;
+    fast) run_fast ;;
+    sanity) exec scripts/collection_sanity.sh "$@" ;;
     test) run_tests ;;
     bench) exec python scripts/bench_launch.py "$@" ;;
     *)
-        sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
+        sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2
         exit 2
         ;;
 esac

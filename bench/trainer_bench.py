@@ -4,6 +4,8 @@
     python bench/trainer_bench.py --shape 8b --gpus 1 --settings nographs,process-nographs,process-graphs
     python bench/trainer_bench.py --shape small --gpus 2          # a quick run
     python bench/trainer_bench.py --shape tiny --gpus 0           # CPU: checks the harness only
+    python bench/trainer_bench.py --shape 8b --gpus 1,2 --cold --settings nographs,process-nographs
+                                  # scaling: each setting on 1 and 2 GPUs, cold compile caches
 
 Per setting it prints tokens/s (sequence tokens through the target and drafter), samples/s, model
 FLOPs utilisation, peak GPU memory and the time to first step (building the drafter replicas,
@@ -16,6 +18,11 @@ target and runs the same steps on its shard of the same global batch under DDP, 
 row back. Time to first step is measured the same way in both: from building the drafter replica(s)
 to the end of the first step (start-up, compile, warm-up and the step); a process row also gives the
 ranks' whole start (interpreter, imports, target, process group) in its log.
+
+`--gpus 1,2` runs every setting at each GPU count and ends with a scaling table: tokens/s and time
+to first step at N GPUs against the same setting at the first count (weak scaling: the same
+sequences per GPU per step). `--cold` runs every row in a fresh process with empty Inductor and
+Triton caches, so time to first step includes the whole compile in every row alike.
 
 FLOPs counted per sample (matrix products only, the usual MFU convention; T context tokens,
 Q = anchors x block query positions, H hidden, I intermediate, V vocab, h/kv heads of dim d,
@@ -37,6 +44,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +96,10 @@ SETTINGS = {
     "process-graphs": ("graphs", []),
     # One compiled graph (and CUDA graph) for the whole objective instead of one per region.
     "process-graphs-objective": ("graphs", ["compile.scope=objective"]),
+    # One gradient bucket larger than the gradients: the exchange starts after the whole backward
+    # (no overlap), to see what the overlap is worth.
+    "nographs-one-bucket": ("nographs", ["parallel.bucket_mb=1000000"]),
+    "process-nographs-bucket25": ("process", ["parallel.bucket_mb=25"]),  # DDP's default size
 }
 DEFAULT_SETTINGS = ("eager", "nographs", "max-autotune-no-cudagraphs")
 PROCESS_PROFILES = ("process", "graphs")  # run profiles whose run.topology is process
@@ -229,12 +241,10 @@ def run_threaded(name, shape, devices, targets, args, out_dir) -> dict:
     started = time.perf_counter()
     layer_ids = target_layer_ids(shape.layers, shape.context_layers)
     torch.manual_seed(0)
-    replicas = [
-        Replica(cfg, device, target, layer_ids, mask_id=shape.vocab - 1, rank=rank)
-        for rank, (device, target) in enumerate(zip(devices, targets, strict=True))
-    ]
-    for replica in replicas[1:]:
-        replica.drafter.load_state_dict(replicas[0].drafter.state_dict())
+    replicas: list[Replica] = []
+    for rank, (device, target) in enumerate(zip(devices, targets, strict=True)):
+        first = replicas[0] if replicas else None
+        replicas.append(Replica(cfg, device, target, layer_ids, shape.vocab - 1, rank, copy_of=first))
     topology = ThreadedTopology(replicas, cfg.parallel.step_timeout_s, log)
     try:
         global_batch = shape.batch * len(devices)
@@ -243,16 +253,16 @@ def run_threaded(name, shape, devices, targets, args, out_dir) -> dict:
         topology.close()
 
 
-def run_process(name, shape, args, out_dir) -> dict:
+def run_process(name, shape, gpus, args, out_dir, env) -> dict:
     """A process setting: torchrun starts one rank per GPU (one on CPU) running this program with
     --worker; rank 0 writes its row to a file, read back here."""
-    nproc = max(args.gpus, 1)
-    row_file = out_dir / f".bench_row_{name}.json"
+    nproc = max(gpus, 1)
+    row_file = out_dir / f".bench_row_{name}_{gpus}.json"
     row_file.unlink(missing_ok=True)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "--max-restarts=0", __file__, "--worker", name, "--worker-row", str(row_file),
-        "--shape", args.shape, "--gpus", str(args.gpus), "--steps", str(args.steps),
+        "--shape", args.shape, "--gpus", str(gpus), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--profile", args.profile,
     ]  # fmt: skip
     if args.attention:
@@ -260,7 +270,7 @@ def run_process(name, shape, args, out_dir) -> dict:
     for setting in args.sets:
         command += ["--set", setting]
     began = time.perf_counter()
-    result = subprocess.run(command, check=False)
+    result = subprocess.run(command, check=False, env=env)
     if result.returncode != 0 or not row_file.exists():
         raise RuntimeError(f"setting {name}: torchrun exited {result.returncode} without a row")
     row = json.loads(row_file.read_text())
@@ -336,7 +346,12 @@ def format_row(r: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
-    parser.add_argument("--gpus", type=int, default=1, help="threaded workers or torchrun ranks (0: CPU)")
+    parser.add_argument(
+        "--gpus", default="1", help="threaded workers or torchrun ranks: a count (0: CPU) or counts, e.g. 1,2"
+    )
+    parser.add_argument(
+        "--cold", action="store_true", help="every row in a fresh process, empty compile caches"
+    )
     parser.add_argument(
         "--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}"
     )
@@ -357,40 +372,43 @@ def main() -> int:
     unknown = [s for s in settings + ([args.worker] if args.worker else []) if s not in SETTINGS]
     if unknown:
         parser.error(f"unknown setting(s) {unknown}; known: {', '.join(SETTINGS)}")
-    if args.gpus < 0:
-        parser.error(f"--gpus must be 0 (CPU) or more, got {args.gpus}")
-    if args.gpus > 0 and torch.cuda.device_count() < args.gpus:
+    try:
+        gpu_counts = [int(g) for g in str(args.gpus).split(",") if g.strip()]
+    except ValueError:
+        parser.error(f"--gpus takes counts separated by commas (0: CPU), got {args.gpus!r}")
+    if not gpu_counts or min(gpu_counts) < 0 or (0 in gpu_counts and len(gpu_counts) > 1):
+        parser.error(f"--gpus must be 0 (CPU) or GPU counts such as 1,2, got {args.gpus!r}")
+    if max(gpu_counts) > 0 and torch.cuda.device_count() < max(gpu_counts):
         parser.error(f"--gpus {args.gpus}: torch sees {torch.cuda.device_count()} CUDA device(s)")
     shape = SHAPES[args.shape]
     out_dir = Path(os.environ.get("OUT", ".")).resolve()
     if args.worker:
+        args.gpus = gpu_counts[0]
         return worker(args.worker, shape, args, out_dir, Path(args.worker_row))
 
-    if args.gpus > 0:
-        devices = [torch.device(f"cuda:{i}") for i in range(args.gpus)]
-        dtype = torch.bfloat16
-        torch.backends.cuda.matmul.allow_tf32 = True
-    else:
-        devices, dtype = [torch.device("cpu")], torch.float32
     print(f"shape {args.shape}: {shape}", flush=True)
-    print(f"torch {torch.__version__}, devices {', '.join(map(str, devices))}", flush=True)
+    print(f"torch {torch.__version__}, {torch.cuda.device_count()} CUDA device(s)", flush=True)
     targets = []
-    if any(SETTINGS[name][0] not in PROCESS_PROFILES for name in settings):
+    if not args.cold and any(SETTINGS[name][0] not in PROCESS_PROFILES for name in settings):
         began = time.perf_counter()
-        targets = [build_target(shape, device, dtype) for device in devices]
-        synchronize(devices)
+        targets = [build_target(shape, device, dtype_of(device)) for device in devices_for(max(gpu_counts))]
+        synchronize(devices_for(max(gpu_counts)))
         print(f"targets built in {time.perf_counter() - began:.1f}s", flush=True)
 
     rows = []
-    for name in settings:
-        print(f"setting {name} ...", flush=True)
-        if SETTINGS[name][0] in PROCESS_PROFILES:
-            rows.append(run_process(name, shape, args, out_dir))
-        else:
-            rows.append(run_threaded(name, shape, devices, targets, args, out_dir))
-        print("  " + format_row(rows[-1]), flush=True)
-        if args.json:  # after every setting: a run cut short keeps the rows it finished
-            Path(args.json).write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1))
+    for gpus in gpu_counts:
+        for name in settings:
+            print(f"setting {name} on {gpus or 'CPU'} {'GPU(s)' if gpus else ''} ...", flush=True)
+            if args.cold:
+                rows.append(run_isolated(name, gpus, args, out_dir))
+            elif SETTINGS[name][0] in PROCESS_PROFILES:
+                rows.append(run_process(name, shape, gpus, args, out_dir, os.environ))
+            else:
+                devices = devices_for(gpus)
+                rows.append(run_threaded(name, shape, devices, targets[: len(devices)], args, out_dir))
+            print("  " + format_row(rows[-1]), flush=True)
+            if args.json:  # after every row: a run cut short keeps the rows it finished
+                Path(args.json).write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1))
 
     header = (
         f"{'setting':28} {'gpus':>4} {'step s':>8} {'tok/s':>9} {'samples/s':>9} {'TFLOP/s':>8} "
@@ -399,7 +417,71 @@ def main() -> int:
     print("\n" + header)
     for r in rows:
         print(format_row(r))
+    if len(gpu_counts) > 1:
+        print_scaling(rows, gpu_counts)
     return 0
+
+
+def devices_for(gpus: int) -> list[torch.device]:
+    return [torch.device(f"cuda:{i}") for i in range(gpus)] if gpus else [torch.device("cpu")]
+
+
+def dtype_of(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        return torch.bfloat16
+    return torch.float32
+
+
+def cold_environment(out_dir: Path, label: str) -> dict[str, str]:
+    """This environment with new, empty Inductor and Triton caches (a cold compile)."""
+    caches = Path(tempfile.mkdtemp(prefix=f"bench_cache_{label}_", dir=out_dir))
+    env = dict(os.environ)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(caches / "inductor")
+    env["TRITON_CACHE_DIR"] = str(caches / "triton")
+    return env
+
+
+def run_isolated(name: str, gpus: int, args, out_dir: Path) -> dict:
+    """One row in a fresh process with empty compile caches; its row comes back through a file."""
+    env = cold_environment(out_dir, f"{name}_{gpus}")
+    if SETTINGS[name][0] in PROCESS_PROFILES:
+        return run_process(name, SHAPES[args.shape], gpus, args, out_dir, env)
+    row_file = out_dir / f".bench_row_{name}_{gpus}.json"
+    command = [
+        sys.executable, __file__, "--shape", args.shape, "--gpus", str(gpus), "--settings", name,
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile", args.profile,
+        "--json", str(row_file),
+    ]  # fmt: skip
+    if args.attention:
+        command += ["--attention", args.attention]
+    for setting in args.sets:
+        command += ["--set", setting]
+    result = subprocess.run(command, check=False, env=env)
+    if result.returncode != 0 or not row_file.exists():
+        raise RuntimeError(f"setting {name} on {gpus} GPU(s) exited {result.returncode} without a row")
+    row = json.loads(row_file.read_text())["rows"][0]
+    row_file.unlink()
+    return row
+
+
+def print_scaling(rows: list[dict], gpu_counts: list[int]) -> None:
+    """Each setting at every GPU count against the same setting at the first count."""
+    base_count = gpu_counts[0]
+    print(f"\nscaling against {base_count} GPU(s), same sequences per GPU per step:")
+    columns = f"{'tok/s':>9} {'x tok/s':>8} {'per GPU':>8} {'1st step s':>10} {'x 1st':>6}"
+    print(f"{'setting':28} {'gpus':>4} {columns}")
+    base = {r["setting"]: r for r in rows if r["gpus"] == base_count}
+    for r in rows:
+        b = base.get(r["setting"])
+        if b is None:
+            continue
+        speedup = r["tokens_per_s"] / b["tokens_per_s"]
+        print(
+            f"{r['setting']:28} {r['gpus']:>4} {r['tokens_per_s']:>9.0f} {speedup:>7.3f}x "
+            f"{speedup * base_count / max(r['gpus'], 1):>7.1%} {r['first_step_s']:>10.1f} "
+            f"{r['first_step_s'] / b['first_step_s']:>5.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""python -m dflashctl {launch RUN | status | stop} [--by-host]: print the result as JSON.
+"""python -m dflashctl {launch RUN | status | stop | export} [--by-host]: print the result as JSON.
 python -m dflashctl logs [--lines N] [--follow]: print the recorded run's log (and follow it).
 python -m dflashctl runs [--run NAME] [--json]: the history of runs, a table (or JSON rows).
 python -m dflashctl report RUN [RUN ...]: render their curves into one PNG, print its path.
+
+`launch RUN [--resume | --fresh]`: continue the run's output, or start over (the earlier output
+is moved aside, never deleted).
 
 Without --by-host: the first host's result (the only host of a one-host inventory); with it:
 {host: result} for every host of group trainers, in inventory order."""
@@ -26,8 +29,20 @@ def main(argv: list[str] | None = None) -> int:
     launch = sub.add_parser("launch", parents=[every], help="launch a run (playbooks/launch.yml)")
     launch.add_argument("run", help="run name, a profile in trainer/runs/")
     launch.add_argument("--resume", action="store_true", help="continue the run from its checkpoint")
+    launch.add_argument("--fresh", action="store_true", help="start over; the earlier output is moved aside")
     sub.add_parser("status", parents=[every], help="report the recorded run (playbooks/status.yml)")
     sub.add_parser("stop", parents=[every], help="stop the recorded run (playbooks/stop.yml)")
+    export = sub.add_parser(
+        "export", help="export a run's checkpoint to the DFlash format (playbooks/export.yml)"
+    )
+    export.add_argument("--run", help="the run to export (default: the recorded run)")
+    export.add_argument("--step", type=int, help="the checkpoint's step (default: the newest valid one)")
+    export.add_argument(
+        "--dtype", choices=["bfloat16", "float16", "float32"], help="weights dtype (default bfloat16)"
+    )
+    export.add_argument(
+        "--dest", help="where to put it on the controller (default: <state>/exports/<run_id>)"
+    )
     logs = sub.add_parser("logs", help="print the recorded run's log (playbooks/logs.yml)")
     logs.add_argument("--lines", type=int, default=20, help="how many of the last lines (default 20)")
     logs.add_argument("--follow", action="store_true", help="then every new line until the trainer exits")
@@ -60,11 +75,13 @@ def main(argv: list[str] | None = None) -> int:
             print(result["path"])
             return 0
         elif args.command == "launch":
-            extravars = {"resume": True} if args.resume else {}
+            extravars = {key: True for key in ("resume", "fresh") if getattr(args, key)}
             launch_run = controller.launch_by_host if args.by_host else controller.launch
             result = launch_run(args.run, **extravars)
         elif args.command == "status":
             result = controller.status_by_host() if args.by_host else controller.status()
+        elif args.command == "export":
+            result = controller.export(run=args.run, step=args.step, dest=args.dest, dtype=args.dtype)
         else:
             result = controller.stop_by_host() if args.by_host else controller.stop()
     except PlaybookFailed as failure:

@@ -85,7 +85,7 @@ class PlaybookFailed(RuntimeError):
 
 
 class Controller:
-    """Launch, status and stop of DFlash runs on the hosts of group ``trainers`` of an inventory.
+    """Launch, status, stop and export of DFlash runs on the hosts of group ``trainers`` of an inventory.
 
     Every call covers every host of the group (one torchrun per host for a multi-host run). The
     plain methods return the first host's result (the only one on a one-host inventory such as
@@ -130,6 +130,30 @@ class Controller:
     def stop_by_host(self, **extravars: Any) -> dict[str, dict[str, Any]]:
         """Run stop.yml; return what happened on every host, by host name."""
         return self.run_playbook("stop.yml", extravars).stats["dflash_stop_by_host"]
+
+    def export(
+        self,
+        run: str | None = None,
+        step: int | None = None,
+        dest: str | Path | None = None,
+        dtype: str | None = None,
+        **extravars: Any,
+    ) -> dict[str, Any]:
+        """Run export.yml: the recorded run (or ``run``), its newest valid checkpoint (or ``step``),
+        exported to the DFlash format on the first trainer host and fetched to ``dest`` (default
+        <state_dir>/exports/<run_id>). Returns run, run_id, step, tau, dest, serve commands, ..."""
+        if run is not None and not isinstance(run, str):
+            raise TypeError(RUN_NAME_HINT)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"step must be a checkpoint's step number (an integer from 0), got {step!r}")
+        chosen = {
+            "run": run,
+            "step": step,
+            "dest": str(Path(dest).absolute()) if dest else None,
+            "dtype": dtype,
+        }
+        chosen = {key: value for key, value in chosen.items() if value is not None}
+        return self.run_playbook("export.yml", {**chosen, **extravars}).stats["dflash_export"]
 
     def runs(self, run: str | None = None, **extravars: Any) -> list[dict[str, Any]]:
         """Run runs.yml; return every launch, newest first: run, run_id, host, state (running,

@@ -1,4 +1,4 @@
-"""Time launch.yml (up to the recorded PID), status.yml and the raw nohup one-liner side by side.
+"""Time launch.yml (up to the recorded PID), status.yml and stop.yml next to a bare nohup start.
 
     python scripts/bench_launch.py [--run nographs] [--rounds 3]
 
@@ -8,8 +8,9 @@ Every round, on the local default inventory with its own temporary state:
            not the trainer's own warm-up)
   status   ansible-playbook playbooks/status.yml (while that trainer runs)
   stop     ansible-playbook playbooks/stop.yml (includes the trainer's checkpoint and exit)
-  oneliner sh -c 'nohup <workspace>/run.sh > <log> 2>&1 & echo $!' (the story's launch, without
-           ssh/pct), then that PID is stopped with SIGTERM.
+  bare     sh -c 'nohup <workspace>/run.sh > <log> 2>&1 & echo $!': a start by hand, with no
+           checks and no record (and here without an ssh/pct hop), then that PID is stopped
+           with SIGTERM.
 Round 1 syncs into an empty workspace (cold); later rounds find it in place (warm).
 Prints one line per measurement and the medians.
 """
@@ -79,7 +80,7 @@ def main() -> int:
         }
         playbook = [f"{bin_dir}/ansible-playbook", "-e", f"dflash_state_dir={state}"]
         workspace = state / "workspace"
-        times: dict[str, list[float]] = {"launch": [], "status": [], "stop": [], "oneliner": []}
+        times: dict[str, list[float]] = {"launch": [], "status": [], "stop": [], "bare": []}
         for round_no in range(1, args.rounds + 1):
             label = "cold" if round_no == 1 else "warm"
             launch_s, _ = timed(
@@ -88,7 +89,7 @@ def main() -> int:
             )
             status_s, _ = timed([*playbook, "playbooks/status.yml"], env)
             stop_s, _ = timed([*playbook, "playbooks/stop.yml"], env)
-            log = workspace / "train_oneliner.log"
+            log = workspace / "train_bare.log"
             started = time.perf_counter()
             out = subprocess.run(
                 ["/bin/sh", "-c", 'nohup "$0" > "$1" 2>&1 & echo $!', str(workspace / "run.sh"), str(log)],
@@ -96,16 +97,16 @@ def main() -> int:
                 text=True,
                 check=True,
             ).stdout
-            oneliner_s = time.perf_counter() - started
+            bare_s = time.perf_counter() - started
             stop_pid(int(out.strip()))
             if round_no > 1:
                 times["launch"].append(launch_s)
             times["status"].append(status_s)
             times["stop"].append(stop_s)
-            times["oneliner"].append(oneliner_s)
+            times["bare"].append(bare_s)
             print(
                 f"round {round_no} ({label}): launch {launch_s:.2f} s  status {status_s:.2f} s  "
-                f"stop {stop_s:.2f} s  one-liner {oneliner_s:.3f} s",
+                f"stop {stop_s:.2f} s  bare start {bare_s:.3f} s",
                 flush=True,
             )
         print(f"cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}")
@@ -113,8 +114,8 @@ def main() -> int:
             if values:
                 print(f"median {name:9s} {statistics.median(values):6.2f} s  over {len(values)} round(s)")
         if times["launch"]:
-            gap = statistics.median(times["launch"]) - statistics.median(times["oneliner"])
-            print(f"launch.yml minus one-liner (warm medians): {gap:.2f} s")
+            gap = statistics.median(times["launch"]) - statistics.median(times["bare"])
+            print(f"launch.yml minus bare start (warm medians): {gap:.2f} s")
     return 0
 
 

@@ -41,25 +41,42 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (a full disk, say); no partial file is left behind."""
+
+    def __init__(self, directory: Path, step: int, cause: OSError):
+        self.directory, self.step, self.cause = directory, step, cause
+        intact = list_checkpoints(directory)
+        last = f"{intact[-1][1]} (step {intact[-1][0]})" if intact else "none"
+        super().__init__(
+            f"cannot save the checkpoint of step {step} in {directory}: {cause.strerror or cause}; "
+            f"the last intact checkpoint is {last}. Free space there and resume (-e resume=true)"
+        )
+
+
 def save_checkpoint(directory: Path, step: int, state: dict[str, Any]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
     header = MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + str(len(payload)).encode() + b"\n"
     final = checkpoint_path(directory, step)
     tmp = directory / f".{final.name}.{os.getpid()}.tmp"
-    with tmp.open("wb") as handle:
-        handle.write(header)
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, final)
-    dir_fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+        directory.mkdir(parents=True, exist_ok=True)
+        with tmp.open("wb") as handle:
+            handle.write(header)
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, final)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)  # never leave a partial file
+        raise CheckpointWriteError(directory, step, exc) from None
     return final
 
 

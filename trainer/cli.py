@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import os
 import sys
 import traceback
@@ -60,22 +62,53 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if problems:
         # A normal run names the first problem in one line (--check lists them all).
-        return fail(problems[:1])
+        return ended(out_dir, fail(problems[:1]), f"bad input: {problems[0]}")
 
+    from .checkpoint import CheckpointWriteError
     from .topology import WorkerFailed
     from .train import BadInput, train
 
     try:
         return train(cfg, out_dir, args.resume)
     except BadInput as exc:
-        return fail([str(exc)])
+        return ended(out_dir, fail([str(exc)]), f"bad input: {exc}")
+    except CheckpointWriteError as exc:
+        return ended(out_dir, error_line(str(exc)), str(exc))
     except WorkerFailed as exc:
         print(
             f"error: worker {exc.rank} failed; the run stopped. Its traceback:\n{exc.trace}",
             file=sys.stderr,
             flush=True,
         )
-        return 1
-    except Exception:
+        return ended(out_dir, 1, f"crashed: worker {exc.rank} failed")
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            traceback.print_exc()
+            return ended(out_dir, 1, f"crashed: {exc}")
+        from .runrecord import checkpoints
+
+        intact = checkpoints(out_dir)
+        last = f"{intact[-1][1]} (step {intact[-1][0]})" if intact else "none"
+        where = exc.filename or out_dir
+        message = f"disk full writing {where}: {exc.strerror}; the last intact checkpoint is {last}"
+        return ended(out_dir, error_line(message), message)
+    except Exception as exc:
         traceback.print_exc()
-        return 1
+        return ended(out_dir, 1, f"crashed: {type(exc).__name__}: {exc}")
+
+
+def error_line(message: str) -> int:
+    """One `error: ...` line (the log may be on the full disk itself: then stderr is all there is); exit 1."""
+    with contextlib.suppress(OSError):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return 1
+
+
+def ended(out_dir: Path, code: int, reason: str) -> int:
+    """Note how the run ended in its record (trainer/runrecord.py): one process per host writes it."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        from .runrecord import note, utc_now
+
+        state = "failed" if code == 2 else "crashed"
+        note(out_dir, state=state, exit_status=code, exit_reason=reason, ended_at=utc_now())
+    return code

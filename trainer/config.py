@@ -241,9 +241,16 @@ class ParallelConfig:
     """Process topology on several hosts: how long torchrun waits for every host to join the
     rendezvous before it gives up (exit 1), so a host whose start failed cannot leave the others
     waiting forever."""
+    bucket_mb: int = 256
+    """Gradient bucket size in MiB, both topologies: the exchange sums a bucket across devices as
+    soon as every replica's backward has finished it, overlapping the rest of the backward (DDP's
+    bucket_cap_mb in the process topology). Larger buckets mean fewer, larger transfers and less
+    overlap; one bucket larger than the gradients means no overlap at all."""
 
     def problems(self) -> list[str]:
         out = []
+        if self.bucket_mb < 1:
+            out.append(f"parallel.bucket_mb must be at least 1, got {self.bucket_mb}")
         if not self.step_timeout_s > 0:
             out.append(f"parallel.step_timeout_s must be positive, got {self.step_timeout_s}")
         if self.cpu_threads < 0:

@@ -7,15 +7,24 @@ equals its own greedy choice, plus its own next token. tau = mean tokens gained 
 
 All prompts advance together: sequences are right-padded (the target is causal, so padding after a
 row's end changes nothing in it) and each block's attention mask shows it only its own row's
-context, through the same block_attention_mask as training. Shapes vary from step to step, so the
-eager drafter is used, not the compiled one.
+context, through the same block_attention_mask as training.
+
+The context grows by up to a block every verify step and prompts finish at different steps, so the
+drafter's input shapes change at nearly every call. Compiled code with static shapes would
+recompile for each new shape (until Dynamo's recompile limit, then silently run eagerly), so by
+default the drafter runs eagerly here, under torch.compiler.set_stance("force_eager"), whatever
+was compiled for training. `pad_buckets=True` is the other way, kept for bench/eval_compile.py: the
+context padded to a few lengths (powers of two) and the batch to the prompt count, so compiled code
+sees a handful of shapes. Measured on CPU (docs/PERFORMANCE.md), eager is faster there.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from .objective import block_attention_mask
@@ -26,6 +35,14 @@ def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     """Right-padded with token 0: any valid id will do, as nothing attends to positions after it."""
     width = max(len(r) for r in rows)
     return torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
+
+
+def bucket(length: int, smallest: int = 64) -> int:
+    """The next power of two from `smallest` up: a handful of context shapes for any length."""
+    size = smallest
+    while size < length:
+        size *= 2
+    return size
 
 
 @torch.no_grad()
@@ -40,11 +57,12 @@ def speculative_generate(
     eos_id: int,
     device: torch.device,
     should_stop: Callable[[], bool] = lambda: False,
+    pad_buckets: bool = False,
 ) -> tuple[list[list[int]], list[list[int]]] | None:
     """Greedy generation with drafts for every prompt at once.
 
-    Returns (generated tokens per prompt, accepted count per verify step per prompt), or None if
-    stopped part-way.
+    Returns (generated tokens per prompt, tokens gained per verify step per prompt), or None if
+    stopped part-way. pad_buckets: see the module docstring.
     """
     sequences = [list(p) for p in prompts]
     features, next_tokens = target_features_and_next(target, _padded(sequences, device), layer_ids)
@@ -56,14 +74,19 @@ def speculative_generate(
     while active:
         if should_stop():
             return None
-        ctx_lens = torch.tensor([len(sequences[i]) for i in active])
-        context = pad_sequence([row_features[i] for i in active], batch_first=True)
-        block = torch.full((len(active), block_size), mask_id, device=device)
-        block[:, 0] = torch.tensor([anchors[i] for i in active], device=device)
+        # With pad_buckets, finished prompts' places are taken by copies of an active row (their
+        # drafts are dropped) and the context is padded to its bucket: the mask hides the padding.
+        rows = active + [active[0]] * (len(prompts) - len(active)) if pad_buckets else active
+        ctx_lens = torch.tensor([len(sequences[i]) for i in rows])
+        context = pad_sequence([row_features[i] for i in rows], batch_first=True)
+        if pad_buckets:
+            context = F.pad(context, (0, 0, 0, bucket(context.shape[1]) - context.shape[1]))
+        block = torch.full((len(rows), block_size), mask_id, device=device)
+        block[:, 0] = torch.tensor([anchors[i] for i in rows], device=device)
         positions = (ctx_lens[:, None] + torch.arange(block_size)).to(device)
         allowed = block_attention_mask(ctx_lens[:, None], context.shape[1], block_size).to(device)
         hidden = drafter.hidden(context.to(drafter.fc.weight.dtype), block, positions, allowed)
-        drafts = drafter.logits(hidden)[:, 1:].argmax(dim=-1).tolist()
+        drafts = drafter.logits(hidden)[: len(active), 1:].argmax(dim=-1).tolist()
 
         candidates = [sequences[i] + [anchors[i]] + d for i, d in zip(active, drafts, strict=True)]
         cand_features, cand_next = target_features_and_next(target, _padded(candidates, device), layer_ids)
@@ -75,7 +98,12 @@ def speculative_generate(
             while accepted < block_size - 1 and drafts[row][accepted] == verified[accepted]:
                 accepted += 1
             gained = [*drafts[row][:accepted], verified[accepted]]
-            accepted_per_step[i].append(accepted + 1)
+            # Count only tokens the generation keeps: none past the end-of-turn token or the token
+            # budget (a serving engine, and the reference dflash_generate, count the same way).
+            if eos_id in gained:
+                gained = gained[: gained.index(eos_id) + 1]
+            gained = gained[: max_new_tokens - len(generated[i])]
+            accepted_per_step[i].append(len(gained))
             keep = start + 1 + accepted  # context now covers the anchor and the accepted drafts
             sequences[i] = candidates[row][:keep]
             row_features[i] = cand_features[row, :keep]
@@ -98,23 +126,29 @@ def acceptance_length(
     eos_id: int,
     device: torch.device,
     should_stop: Callable[[], bool] = lambda: False,
+    pad_buckets: bool = False,
 ) -> float | None:
-    """tau over the prompts, or None when stopped part-way."""
+    """tau over the prompts, or None when stopped part-way.
+
+    Compiled drafter code runs eagerly here unless pad_buckets (see the module docstring)."""
     was_training = drafter.training
     drafter.eval()
+    stance = contextlib.nullcontext() if pad_buckets else torch.compiler.set_stance("force_eager")
     try:
-        result = speculative_generate(
-            drafter,
-            target,
-            prompts,
-            layer_ids,
-            block_size,
-            mask_id,
-            max_new_tokens,
-            eos_id,
-            device,
-            should_stop,
-        )
+        with stance:
+            result = speculative_generate(
+                drafter,
+                target,
+                prompts,
+                layer_ids,
+                block_size,
+                mask_id,
+                max_new_tokens,
+                eos_id,
+                device,
+                should_stop,
+                pad_buckets,
+            )
     finally:
         drafter.train(was_training)
     if result is None:

@@ -193,8 +193,42 @@ class EventLog:
                 file=sys.stderr,
                 flush=True,
             )
+        self.note_in_run_record(row)
         self.notify(row)
         return row
+
+    def note_in_run_record(self, row: dict) -> None:
+        """Keep the run record (<out>/run.json, trainer/runrecord.py) in step: each restart appended
+        to its `restarts`, and the state a crash, a restart or the supervisor's verdict leaves.
+        Only the recorded process (this one: the supervisor or torchrun) writes it."""
+        from . import runrecord
+
+        record = runrecord.read_record(self.out_dir)
+        if record is None or record.get("pid") != os.getpid():
+            return
+        event = row["event"]
+        if event == "restart":
+            restart = {key: row[key] for key in ("time", "step", "reason")}
+            record.update(state="running", restarts=[*record.get("restarts", []), restart])
+            for key in ("exit_status", "exit_reason", "ended_at"):
+                record.pop(key, None)
+        elif event in ("crash", "failed") and row["exit_status"] is not None:
+            state = "failed" if event == "failed" else "crashed"
+            record.update(
+                state=state, exit_status=row["exit_status"], exit_reason=row["reason"], ended_at=row["time"]
+            )
+        elif event == "stop" and record.get("state") == "crashed":
+            record.update(state="stopped", exit_reason=row["text"].split(": ", 1)[-1], ended_at=row["time"])
+        else:
+            return
+        try:
+            runrecord.write_record(self.out_dir, record)
+        except OSError as exc:
+            print(
+                f"events: cannot update the run record in {self.out_dir}: {exc.strerror}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def notify(self, row: dict) -> None:
         if not self.notify_url:

@@ -25,6 +25,12 @@ process starts; the machine checks (paths, devices) run in every rank as in `pyt
 No torch import here (it takes seconds; launch.yml waits only briefly for the exec chain): GPUs are
 counted from parallel.devices, CUDA_VISIBLE_DEVICES or the /dev/nvidiaN device nodes.
 `--dry-run` prints the command instead of running it.
+
+Before it execs, it takes the output's lock and writes the run record (trainer/runrecord.py): a
+second start on the same --out fails here at once (exit 2), naming the PID that holds it; the lock's
+file descriptor is inherited across exec, so it lives exactly as long as the trainer (or torchrun).
+Temporary files a killed checkpoint save left behind are removed then, under the lock.
+`--check` (run.sh --check) only validates: no lock, no record.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from . import runrecord
 from .cli import fail
 from .cli import parse_args as parse_trainer_args
+from .events import RUN_ID_ENV
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -161,9 +169,64 @@ def main(argv: list[str] | None = None) -> int:
     if launch.dry_run:
         print(shlex.join(cmd), flush=True)
         return 0
+    if not args.check:
+        out = Path(args.out or f"runs/{args.run}").expanduser().absolute()
+        try:
+            record = take_output(out, cfg, args, cmd)
+            # The events and notices of the run carry the record's own run id (trainer/events.py).
+            os.environ[RUN_ID_ENV] = record["run_id"]
+        except runrecord.OutputBusy as exc:
+            return fail([str(exc)])
+        except OSError as exc:
+            print(
+                f"error: cannot record the run in {out}: {exc}; nothing was started",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
     sys.stdout.flush()
     os.execv(cmd[0], cmd)
     return 1  # not reached: exec replaces this process
+
+
+def log_of_this_process() -> str | None:
+    """Where stdout goes (the run's log, as the starter opened it), or None for a terminal or pipe."""
+    try:
+        target = os.readlink("/proc/self/fd/1")
+    except OSError:
+        return None
+    return target if target.startswith("/") and not target.startswith("/dev/") else None
+
+
+def take_output(out: Path, cfg, args: argparse.Namespace, cmd: list[str]) -> dict:
+    """Lock the output for this process's life (and its exec's), clear a killed save's temporary
+    files, and write the run record before the trainer starts. Raises OutputBusy or OSError."""
+    inherited = os.environ.pop(runrecord.LOCK_FD_ENV, None)
+    runrecord.acquire_lock(out, int(inherited) if inherited and inherited.isdigit() else None)
+    for leftover in list((out / "checkpoints").glob(".step_*.tmp")) + list(out.glob(".run.json.*.tmp")):
+        leftover.unlink(missing_ok=True)
+        print(f"removed {leftover} (left by a save that was killed)", flush=True)
+    pid = os.getpid()
+    record = {
+        "format": runrecord.RECORD_FORMAT,
+        "run": cfg.run.name,
+        "run_id": runrecord.new_run_id(cfg.run.name, pid),
+        "pid": pid,
+        "start_time": runrecord.proc_start_time(pid),
+        "boot_id": runrecord.boot_id(),
+        "host": os.uname().nodename,
+        "out": str(out),
+        "log": log_of_this_process(),
+        "started_at": runrecord.utc_now(),
+        "steps": cfg.train.steps,
+        "topology": cfg.run.topology,
+        "resume": bool(args.resume),
+        "cmdline": cmd,
+        "state": "running",
+        "restarts": [],
+    }
+    runrecord.write_record(out, record)
+    return record
 
 
 if __name__ == "__main__":

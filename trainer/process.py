@@ -196,6 +196,7 @@ class ProcessTopology:
                 device_ids=[self.world.device] if self.world.device.type == "cuda" else None,
                 broadcast_buffers=False,  # the buffers (rotary tables) are constants, equal everywhere
                 gradient_as_bucket_view=True,
+                bucket_cap_mb=self.replica.cfg.parallel.bucket_mb,
             )
 
         # Unannotated on purpose: DDP checks the hook's annotations against the real classes, and
@@ -230,13 +231,16 @@ class ProcessTopology:
         self.grad_scale = 1.0 / max(self.global_weight, 1e-12)
         return 1.0
 
-    def step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, int, float]:
-        """One optimisation step on the global batch (this rank computes its shard): (loss, tokens, norm)."""
+    def step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, int, torch.Tensor]:
+        """One optimisation step on the global batch (this rank computes its shard): (loss, tokens,
+        gradient norm as a tensor: reading it waits for the update)."""
         ids = input_ids.chunk(self.world.world_size)[self.world.rank]
         mask = loss_mask.chunk(self.world.world_size)[self.world.rank]
         result = self.replica.compute(ids, mask, loss_scale=self._loss_scale)
-        norm = self.replica.apply_update()
+        # Before the update is queued: this collective then waits only for the backward, and the
+        # optimizer step runs on the device while the host prepares the next step.
         loss_sum, tokens = self.world.sum([result.loss_sum, float(result.tokens)])
+        norm = self.replica.apply_update()
         return loss_sum / max(self.global_weight, 1e-12), int(tokens), norm
 
     def worker_rng(self) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:

@@ -1,7 +1,8 @@
 """One replica of the training state on one device: target, drafter, compiled objective, optimizer.
 
 Independent of how workers are started: the threaded topology drives one Replica per worker thread;
-the process topology (torchrun) will drive one per process through the same methods.
+the process topology (torchrun) drives one per rank, its objective wrapped in DDP, through the same
+methods.
 """
 
 from __future__ import annotations
@@ -48,7 +49,14 @@ def resolve_attention(choice: str, device: torch.device, compile_mode: str) -> s
 
 class Replica:
     def __init__(
-        self, cfg: Config, device: torch.device, target, layer_ids: list[int], mask_id: int, rank: int
+        self,
+        cfg: Config,
+        device: torch.device,
+        target,
+        layer_ids: list[int],
+        mask_id: int,
+        rank: int,
+        copy_of: Replica | None = None,
     ):
         self.cfg = cfg
         self.device = device
@@ -57,7 +65,15 @@ class Replica:
         self.mask_id = mask_id
         self.rank = rank
         shape = DrafterShape.from_target(target.config, cfg.drafter.num_layers, len(layer_ids))
-        self.drafter = DFlashDrafter(shape, shared_parts(target)).to(device)
+        if copy_of is None:
+            self.drafter = DFlashDrafter(shape, shared_parts(target)).to(device)
+        else:
+            # Another worker's replica: its weights are copied from the first one, so skip the
+            # random initialisation (seconds on the CPU for the ~1B parameters of an 8B target).
+            with torch.device("meta"):
+                drafter = DFlashDrafter(shape, shared_parts(target))
+            self.drafter = drafter.to_empty(device=device)
+            self.drafter.load_state_dict(copy_of.drafter.state_dict())
         self.attention = resolve_attention(cfg.drafter.attention, device, cfg.compile.mode)
         self.objective = DrafterObjective(self.drafter, self.attention, cfg.drafter.loss_chunk)
         self.module: torch.nn.Module = self.objective
@@ -79,6 +95,8 @@ class Replica:
         # Per-worker anchor sampling stream; its state is saved in every checkpoint.
         self.anchor_generator = torch.Generator().manual_seed(cfg.train.seed * 1000 + rank + 1)
         self.autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
+        self.grad_buffer: torch.Tensor | None = None
+        """One flat tensor the gradients are views of (threaded exchange): zeroed, never dropped."""
 
     def wrap(self, wrapper: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
         """Put a wrapper around the objective (DDP in the process topology); before compile()."""
@@ -150,10 +168,14 @@ class Replica:
         (loss_sum * scale if scale != 1.0 else loss_sum).backward()
         return StepResult(float(loss_sum.detach()), weight_sum, input_ids.numel())
 
-    def apply_update(self) -> float:
-        """Clip, step the optimizer and the schedule, clear gradients. Returns the gradient norm."""
+    def apply_update(self) -> torch.Tensor:
+        """Clip, step the optimizer and the schedule, clear gradients. Returns the gradient norm as
+        a tensor: reading it waits for the device, so the caller reads it only when it needs it."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip or float("inf"))
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero_()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        return norm.detach()

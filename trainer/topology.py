@@ -1,16 +1,12 @@
 """The threaded topology: one process, one worker thread per device, a coordinator feeding them.
 
 Each step the coordinator splits the global batch into one shard per worker and puts it on that
-worker's queue; workers run forward and backward on their own replica and answer on a shared queue;
-the coordinator then averages the gradients across replicas and every replica applies the same
-update (as DDP does: identical gradients and optimizer states keep replicas identical).
-
-Gradient averaging: with several CUDA devices, torch.cuda.nccl.all_reduce over one flat gradient
-buffer per device. It is NCCL's collective driven from a single thread of a single process (one
-tensor per GPU, no process group or rendezvous needed), so it uses NVLink/P2P like DDP does, with
-one call per step. It runs in the coordinator while every worker waits for its next shard, so no
-worker stream is busy. Otherwise (CPU, one device, or no NCCL) the buffers are summed by device
-copies onto the first device and copied back: exact, and trivially cheap for one worker.
+worker's queue; each worker runs forward and backward on its own replica while the gradient exchange
+(trainer/exchange.py) sums finished gradient buckets across replicas during the backward, then
+applies the update itself, so the replicas' optimizer steps run side by side and every replica
+applies the same update (as DDP does: identical gradients and optimizer states keep replicas
+identical). The coordinator collects the answers. With one worker there is nothing to exchange: the
+worker scales its gradients by 1 / loss-weight sum.
 
 A worker that raises sends its traceback to the coordinator, which stops every worker and raises
 WorkerFailed; workers are daemon threads blocked only on their queues, so none can hang the exit.
@@ -27,8 +23,8 @@ import traceback
 from collections.abc import Callable
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .exchange import GradientExchange
 from .replica import Replica, StepResult
 
 
@@ -39,29 +35,12 @@ class WorkerFailed(Exception):
         self.trace = trace
 
 
-def average_gradients(replicas: list[Replica], total_weight: float) -> None:
-    """Every replica's gradient becomes sum(all replicas' gradients) / total_weight."""
+def scale_gradients(replica: Replica, total_weight: float) -> None:
+    """One worker: its gradient becomes gradient / total_weight (the exchange does this otherwise)."""
     scale = 1.0 / max(total_weight, 1e-12)
-    if len(replicas) == 1:  # nothing to exchange: scale in place, no flatten/unflatten copies
-        for param in replicas[0].params:
-            if param.grad is not None:
-                param.grad.mul_(scale)
-        return
-    grads = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in r.params] for r in replicas]
-    flats = [_flatten_dense_tensors(g) for g in grads]
-    if len(flats) > 1 and all(f.is_cuda for f in flats) and torch.cuda.nccl.is_available(flats):
-        torch.cuda.nccl.all_reduce(flats)  # in place: every buffer now holds the sum
-        for flat in flats:
-            flat.mul_(scale)
-    else:
-        total = flats[0].clone()
-        for other in flats[1:]:
-            total += other.to(total.device)
-        total.mul_(scale)
-        flats = [total.to(f.device, copy=True) for f in flats]  # a buffer of its own per replica
-    for replica, replica_grads, flat in zip(replicas, grads, flats, strict=True):
-        for param, grad in zip(replica.params, _unflatten_dense_tensors(flat, replica_grads), strict=True):
-            param.grad = grad
+    for param in replica.params:
+        if param.grad is not None:
+            param.grad.mul_(scale)
 
 
 class ThreadedTopology:
@@ -70,6 +49,11 @@ class ThreadedTopology:
         self.step_timeout_s = step_timeout_s
         self.log = log
         self.compile_lock = threading.Lock()
+        self.exchange = (
+            GradientExchange(replicas, step_timeout_s, replicas[0].cfg.parallel.bucket_mb << 20)
+            if len(replicas) > 1
+            else None
+        )
         self.inboxes: list[queue.Queue] = [queue.Queue() for _ in replicas]
         self.outbox: queue.Queue = queue.Queue()
         self.threads = [
@@ -83,19 +67,45 @@ class ThreadedTopology:
             if replica.device.type == "cuda":
                 torch.cuda.set_device(replica.device)  # the current device is per thread
             with self.compile_lock:
-                cudagraphs = replica.cfg.compile.uses_cudagraphs
-                if replica.cfg.compile.mode != "none":
-                    self.log(f"drafter on {replica.device}: compiling forward (cudagraphs={cudagraphs})")
-                replica.compile()
-                replica.warm_up()
+                self._compile(replica)
+            if self.exchange is not None:
+                self.exchange.attach(rank)
             self.outbox.put(("ready", rank, None))
             while True:
                 shard = self.inboxes[rank].get()
                 if shard is None:
                     return
-                self.outbox.put(("done", rank, replica.compute(*shard)))
+                self.outbox.put(("done", rank, self._train_shard(rank, *shard)))
         except BaseException:
             self.outbox.put(("error", rank, traceback.format_exc()))
+
+    def _compile(self, replica: Replica) -> None:
+        began = time.monotonic()
+        if replica.cfg.compile.mode != "none":
+            cudagraphs = replica.cfg.compile.uses_cudagraphs
+            self.log(f"drafter on {replica.device}: compiling forward (cudagraphs={cudagraphs})")
+        replica.compile()
+        replica.warm_up()
+        if replica.cfg.compile.mode != "none":
+            self.log(
+                f"drafter on {replica.device}: compiled and warmed up in {time.monotonic() - began:.1f}s"
+            )
+
+    def _train_shard(
+        self, rank: int, ids: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[StepResult, torch.Tensor]:
+        """Forward and backward on this worker's shard, gradients exchanged, the update applied."""
+        replica = self.replicas[rank]
+        if self.exchange is None:
+            result = replica.compute(ids, mask)
+            scale_gradients(replica, result.weight_sum)
+        else:
+            result = replica.compute(
+                ids, mask, loss_scale=lambda weight: self.exchange.report_weight(rank, weight)
+            )
+            self.exchange.finish(rank)
+            self.exchange.wait_reduced(rank)
+        return result, replica.apply_update()
 
     def _collect(self, expected: str, should_stop: Callable[[], bool] | None) -> dict[int, object] | None:
         """Wait for one message per worker; None if should_stop() turns true meanwhile."""
@@ -128,25 +138,26 @@ class ThreadedTopology:
         """Wait until every worker has warmed up. False if should_stop() turned true first."""
         return self._collect("ready", should_stop) is not None
 
-    def step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, int, float]:
-        """One optimisation step on the global batch: (loss, tokens, grad norm)."""
+    def step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, int, torch.Tensor]:
+        """One optimisation step on the global batch: (loss, tokens, gradient norm as a tensor on
+        the first device; reading it waits for that replica's update)."""
         shards_ids = input_ids.chunk(len(self.replicas))
         shards_mask = loss_mask.chunk(len(self.replicas))
         for inbox, ids, mask in zip(self.inboxes, shards_ids, shards_mask, strict=True):
             inbox.put((ids, mask))
         answers = self._collect("done", None)
         assert answers is not None
-        results: list[StepResult] = [answers[rank] for rank in range(len(self.replicas))]  # type: ignore[misc]
+        results: list[StepResult] = [answers[rank][0] for rank in range(len(self.replicas))]  # type: ignore[index]
         loss_sum = sum(r.loss_sum for r in results)
         weight_sum = sum(r.weight_sum for r in results)
-        average_gradients(self.replicas, weight_sum)
-        norms = [replica.apply_update() for replica in self.replicas]
-        return loss_sum / max(weight_sum, 1e-12), sum(r.tokens for r in results), norms[0]
+        return loss_sum / max(weight_sum, 1e-12), sum(r.tokens for r in results), answers[0][1]  # type: ignore[index]
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Tell every worker to finish and wait for them (bounded; they are daemon threads)."""
         for inbox in self.inboxes:
             inbox.put(None)
+        if self.exchange is not None:
+            self.exchange.close()
         deadline = time.monotonic() + timeout_s
         for thread in self.threads:
             if thread.is_alive():

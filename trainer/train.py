@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 import torch
 
+from . import runrecord
 from .checkpoint import (
     CheckpointError,
     checkpoint_from_bytes,
@@ -52,6 +53,7 @@ from .environment import resolve_devices
 from .evaluate import acceptance_length
 from .model import target_layer_ids
 from .process import ProcessSetupError, ProcessTopology, ProcessWorld, launched_by_torchrun
+from .recompiles import RecompileWatch
 from .replica import Replica
 from .target import load_target, load_tokenizer, num_target_layers
 from .topology import ThreadedTopology
@@ -383,7 +385,7 @@ def restore_state(state: dict, topology: Topology, loader: Loader) -> None:
         torch.cuda.set_rng_state(rng, torch.device(device))
 
 
-def train_step(topology: Topology, loader: Loader) -> tuple[float, int, float]:
+def train_step(topology: Topology, loader: Loader) -> tuple[float, int, torch.Tensor]:
     """One optimisation step: the next global batch through every worker, averaged, applied."""
     input_ids, loss_mask = loader.next_batch()
     return topology.step(input_ids, loss_mask)
@@ -482,9 +484,8 @@ def _train(
             replicas.append(Replica(cfg, devices[0], lead_target, layer_ids, mask_id, world.rank))
         for rank, device in enumerate(devices if world is None else []):
             target = lead_target if rank == 0 else load_target(target_path, device, cfg.model.dtype)
-            replicas.append(Replica(cfg, device, target, layer_ids, mask_id, rank))
-        for replica in replicas[1:]:
-            replica.drafter.load_state_dict(replicas[0].drafter.state_dict())
+            first = replicas[0] if replicas else None  # the others copy its weights
+            replicas.append(Replica(cfg, device, target, layer_ids, mask_id, rank, copy_of=first))
         n_params = sum(p.numel() for p in replicas[0].params)
         out.line(
             f"drafter: {cfg.drafter.num_layers} layers, {n_params / 1e6:.2f}M trainable parameters, "
@@ -500,13 +501,13 @@ def _train(
             topology = ThreadedTopology(replicas, cfg.parallel.step_timeout_s, out.line)
         topology.launch()
         if not topology.wait_ready(stop):
-            return stopped(out, stop, 0, None)
+            return stopped(out, stop, 0, None, out_dir, world)
 
         prepared = prepare_data(
             cfg, lead_target, tokenizer, chat, train_file, target_path, devices[0], out, stop
         )
         if agree(prepared is None):
-            return stopped(out, stop, 0, None)
+            return stopped(out, stop, 0, None, out_dir, world)
         train_examples, eval_prompts = prepared
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_id
         train_set = build_train_set(train_examples, chat, cfg.train.seq_len, pad_id)
@@ -515,6 +516,11 @@ def _train(
             f"{train_set.supervised_fraction:.0%} of tokens supervised; target layers {layer_ids}"
         )
         loader = Loader(train_set, cfg.train.batch_size * workers, cfg.train.seed)
+        recompiles = RecompileWatch()
+
+        def warn_about_recompiles() -> None:
+            for warning in recompiles.poll():
+                out.line(warning)
 
         def evaluate(at_step: int) -> float | None:
             tau = acceptance_length(
@@ -538,6 +544,7 @@ def _train(
                 return None
             out.line(f"eval step {at_step} tau {tau:.3f} prompts {len(eval_prompts)}")
             out.metric({"kind": "eval", "step": at_step, "tau": tau, "prompts": len(eval_prompts)})
+            warn_about_recompiles()
             return tau
 
         def save(at_step: int) -> None:
@@ -545,6 +552,7 @@ def _train(
             path = save_checkpoint(out_dir / "checkpoints", at_step, state) if lead_rank else None
             if world is None or lead_rank:
                 out.line(f"checkpoint saved step {at_step} {path}")
+                runrecord.note(out_dir, last_step=at_step, last_checkpoint=str(path))
             if world is not None:
                 # The other hosts log where rank 0 put it once it is there (stop.yml reports
                 # that line on every host); rank 0's file is the run's only checkpoint.
@@ -563,15 +571,20 @@ def _train(
         if tau0 is None:
             tau0 = evaluate(step)
             if tau0 is None:
-                return stopped(out, stop, step, save)
+                return stopped(out, stop, step, save, out_dir, world)
 
         total = cfg.train.steps
         started = time.monotonic()
         window_start, window_tokens, window_steps = started, 0, 0
         tau = tau0
+        if lead_rank and step > 0:
+            # A resumed run's latest tau is its last evaluation, not the first one.
+            last_eval = runrecord.last_metrics(out_dir)["eval"]
+            if last_eval and last_eval.get("step", -1) <= step:
+                tau = float(last_eval["tau"])
         while step < total:
             if agree(stop()):
-                return stopped(out, stop, step, save)
+                return stopped(out, stop, step, save, out_dir, world)
             loss, tokens, _ = train_step(topology, loader)
             step += 1
             window_tokens += tokens
@@ -596,14 +609,25 @@ def _train(
                     }
                 )
                 window_start, window_tokens, window_steps = now, 0, 0
+                warn_about_recompiles()
             if step == total or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
                 result = evaluate(step)
                 if result is None:
-                    return stopped(out, stop, step, save)
+                    return stopped(out, stop, step, save, out_dir, world)
                 tau = result
             if step == total or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
                 save(step)
         out.line(f"done: step {step}, tau {tau:.2f} (step 0: {tau0:.2f})")
+        if world is None or world.local_rank == 0:
+            runrecord.note(
+                out_dir,
+                state="finished",
+                exit_status=0,
+                exit_reason="finished",
+                last_step=step,
+                tau=tau,
+                ended_at=runrecord.utc_now(),
+            )
         return 0
     finally:
         if topology is not None:
@@ -612,7 +636,7 @@ def _train(
         stop.uninstall(ignore_late_signals=world is not None and launched_by_torchrun())
 
 
-def stopped(out: Output, stop: StopFlag, step: int, save) -> int:
+def stopped(out: Output, stop: StopFlag, step: int, save, out_dir: Path, world: ProcessWorld | None) -> int:
     # In the process topology the signal may have reached another rank only.
     out.line(f"signal {stop.signal_name or 'on another rank'}: checkpointing and exiting")
     if save is not None:
@@ -620,5 +644,13 @@ def stopped(out: Output, stop: StopFlag, step: int, save) -> int:
     else:
         out.line("nothing to checkpoint yet (training had not started)")
     out.line(f"stopped at step {step}")
+    if world is None or world.local_rank == 0:
+        runrecord.note(
+            out_dir,
+            state="stopped",
+            exit_status=0,
+            exit_reason=f"stopped at step {step}",
+            ended_at=runrecord.utc_now(),
+        )
     sys.stdout.flush()
     return 0

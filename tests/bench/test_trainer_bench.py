@@ -1,6 +1,6 @@
 """The benchmark's harness on CPU (tiny shape, no compile): both topologies produce a full row.
 
-Figures come from GPU runs (README, Performance); this only keeps the program runnable, which a
+Figures come from GPU runs (docs/PERFORMANCE.md); this only keeps the program runnable, which a
 rename in the topology API once broke without any test noticing."""
 
 from __future__ import annotations

@@ -86,16 +86,29 @@ def test_gpus_required_without_nvidia_smi(state_dir: Path) -> None:
     assert not (state_dir / "workspace").exists()
 
 
+# A machine problem only the target can see (a data file that is not there): the trainer refuses at start.
+MISSING_DATA = {"parallel": {"devices": "cpu"}, "data": {"train_file": "/nonexistent/chat.jsonl"}}
+
+
+@pytest.mark.slow
+def test_bad_setting_is_refused_on_the_controller(state_dir: Path) -> None:
+    ctl = make_controller(state_dir, workspace_trainer_set=["train.no_such_setting=1"])
+    with pytest.raises(PlaybookFailed, match=r"--set: train.no_such_setting: unknown key"):
+        ctl.launch("nographs")
+    assert not (state_dir / "workspace").exists()
+    assert ledger(state_dir) == []
+
+
 @pytest.mark.slow
 def test_trainer_dying_at_start_fails_with_log_tail(state_dir: Path) -> None:
-    ctl = make_controller(state_dir, workspace_trainer_set=["train.no_such_setting=1"])
+    ctl = make_controller(state_dir, trainer_machine=MISSING_DATA)
     try:
         with pytest.raises(PlaybookFailed) as failure:
             ctl.launch("nographs")
         message = str(failure.value)
         assert "exit status: 2" in message
         assert "Last lines of" in message and "train_compile_nographs.log" in message
-        assert "error: " in message and "no_such_setting" in message, "the trainer's own error is shown"
+        assert "error: " in message and "train_file" in message, "the trainer's own error is shown"
         records = ledger(state_dir)
         assert len(records) == 1 and records[0]["state"] == "failed", "the failed run keeps its record"
     finally:
@@ -105,22 +118,35 @@ def test_trainer_dying_at_start_fails_with_log_tail(state_dir: Path) -> None:
 @pytest.mark.slow
 def test_rank_failing_under_torchrun_names_the_ranks_reason(state_dir: Path) -> None:
     """Process topology: the rank's own error, not torchrun's failure report, explains the exit."""
-    existing = state_dir / "workspace" / "runs" / "process" / "checkpoints" / "step_00000005.pt"
-    existing.parent.mkdir(parents=True)
-    existing.write_bytes(b"an earlier run's checkpoint")
-    ctl = make_controller(state_dir)
+    ctl = make_controller(state_dir, trainer_machine=MISSING_DATA)
     try:
         with pytest.raises(PlaybookFailed) as failure:
             ctl.launch("process")
         message = str(failure.value)
-        assert "exit status: 2 (bad input: --out " in message, "the rank's verdict, not torchrun's report"
-        assert "already holds a run (checkpoint at step 5); pass --resume" in message
-        assert existing.read_bytes() == b"an earlier run's checkpoint", "the earlier run is left alone"
+        assert "exit status: 2 (bad input: data.train_file " in message, (
+            "the rank's verdict, not torchrun's report"
+        )
         status = ctl.status()
         assert status["state"] == "exited" and status["exit_status"] == 2
-        assert "already holds a run" in status["exit_reason"]
+        assert "data.train_file" in status["exit_reason"]
     finally:
         stop_leftovers(ctl, state_dir)
+
+
+@pytest.mark.slow
+def test_output_holding_checkpoints_is_refused_before_a_start(state_dir: Path) -> None:
+    existing = state_dir / "workspace" / "runs" / "process" / "checkpoints" / "step_00000005.pt"
+    existing.parent.mkdir(parents=True)
+    existing.write_bytes(b"an earlier run's checkpoint")
+    ctl = make_controller(state_dir)
+    with pytest.raises(PlaybookFailed) as failure:
+        ctl.launch("process")
+    message = str(failure.value)
+    assert "already holds checkpoints (the last at step 5)" in message
+    assert "-e resume=true" in message and "-e fresh=true" in message
+    assert existing.read_bytes() == b"an earlier run's checkpoint", "the earlier run is left alone"
+    assert ledger(state_dir) == []
+    assert not (state_dir / "workspace" / "run.sh").exists(), "refused before the workspace was written"
 
 
 @pytest.mark.slow

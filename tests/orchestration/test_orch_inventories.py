@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 REPO = Path(__file__).resolve().parents[2]
 
 

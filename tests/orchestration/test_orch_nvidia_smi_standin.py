@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import BUSY, FAKES, IDLE
 
+pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 REFERENCE = FAKES / "reference"
 USAGE = ["--query-gpu=index,memory.used,utilization.gpu", "--format=csv,noheader,nounits"]
 APPS = ["--query-compute-apps=pid,gpu_uuid,process_name,used_memory", "--format=csv,noheader,nounits"]

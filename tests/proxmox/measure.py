@@ -1,6 +1,6 @@
 """Wall times of the real-host path, side by side in one run, on a fresh test node.
 
-    sudo /tmp/venvtest/.venv/bin/python tests/proxmox/measure.py
+    sudo .venv/bin/python tests/proxmox/measure.py      (from the checkout, after ./dev.sh setup)
 
 provision from nothing (API create + passthrough + venv), provision again (no change), launch
 nographs through pct_remote, then stop. The node is stopped at the end, also on failure.

@@ -3,6 +3,8 @@
 The tests run in file order on one node: the faults first (while no container exists), then
 provisioning from nothing and again, then launch/status/stop of nographs inside the container
 through community.proxmox.proxmox_pct_remote, and last a scan of everything written for the secret.
+The steps that are timed record their seconds as properties of their test (pytest --junitxml puts
+them in the report); tests/proxmox/measure.py prints them side by side.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from realhost import RealHostNode
 
 pytestmark = [pytest.mark.proxmox, pytest.mark.slow]
 VMID = "200"
-TIMINGS: dict[str, float] = {}
 
 
 def assert_failed_clearly(result, *expected: str) -> None:
@@ -78,10 +79,10 @@ def test_check_mode_reports_and_changes_nothing(node: RealHostNode) -> None:
     assert node.api_state() == before
 
 
-def test_provision_from_nothing_then_no_change(node: RealHostNode) -> None:
+def test_provision_from_nothing_then_no_change(node: RealHostNode, record_property) -> None:
     first = node.play("provision.yml")
     assert first.ok, first.stdout[-5000:]
-    TIMINGS["provision from nothing"] = first.seconds
+    record_property("seconds provision from nothing", round(first.seconds, 1))
     assert node.pct("status", VMID).stdout.strip() == "status: running"
     config = node.pct("config", VMID).stdout
     for index in range(8):
@@ -96,7 +97,7 @@ def test_provision_from_nothing_then_no_change(node: RealHostNode) -> None:
     assert f"/dev/nvidia-uvm {node.info['uvm_major']:x}" in seen.stdout
     second = node.play("provision.yml")
     assert second.ok, second.stdout[-5000:]
-    TIMINGS["provision again"] = second.seconds
+    record_property("seconds provision again", round(second.seconds, 1))
     assert second.changed() == 0, second.stdout[-5000:]
     check = node.play("provision.yml", "--check")
     assert check.ok and check.changed() == 0, check.stdout[-3000:]
@@ -126,10 +127,10 @@ def test_busy_gpu_makes_launch_fail_naming_it(node: RealHostNode) -> None:
     assert node.pct("exec", VMID, "--", "pgrep", "-f", "trainer --run").returncode == 1
 
 
-def test_launch_status_stop_through_pct(node: RealHostNode) -> None:
+def test_launch_status_stop_through_pct(node: RealHostNode, record_property) -> None:
     launch = node.play("launch.yml", extravars={"run": "nographs"})
     assert launch.ok, launch.stdout[-5000:]
-    TIMINGS["launch nographs through pct_remote"] = launch.seconds
+    record_property("seconds launch nographs through pct_remote", round(launch.seconds, 1))
     ledger = (node.work_dir / "state" / "runs.jsonl").read_text().splitlines()
     record = json.loads(ledger[-1])
     assert record["run"] == "nographs" and record["state"] == "running"
@@ -149,6 +150,24 @@ def test_launch_status_stop_through_pct(node: RealHostNode) -> None:
     assert sorted(checkpoints.glob("step_*.pt")), f"no checkpoint in {checkpoints}"
     gone = node.pct("exec", VMID, "--", "test", "-e", f"/proc/{record['pid']}")
     assert gone.returncode != 0, "the trainer is still running after stop"
+
+
+def test_export_through_pct_fetches_the_drafter(node: RealHostNode, record_property) -> None:
+    """The stopped run's checkpoint exported inside the container and fetched through pct_remote."""
+    export = node.play("export.yml")
+    assert export.ok, export.stdout[-3000:]
+    record_property("seconds export and fetch through pct_remote", round(export.seconds, 1))
+    report = export.stats_data()["dflash_export"]
+    assert report["run"] == "nographs" and report["on_target"] == "/workspace/runs/nographs/export"
+    dest = Path(report["dest"])
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "README.md",
+        "config.json",
+        "export.json",
+        "model.safetensors",
+    ]
+    assert json.loads((dest / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    assert f"--speculative-draft-model-path {dest} " in report["serve"]["sglang"]
 
 
 def test_no_secret_in_any_output_log_cache_or_artifact(node: RealHostNode) -> None:
@@ -172,10 +191,3 @@ def test_no_secret_in_any_output_log_cache_or_artifact(node: RealHostNode) -> No
     assert not leaks, f"the token secret appears in {leaks}"
     runner_events = list((node.work_dir / "state" / "runner").rglob("job_events/*.json"))
     assert runner_events, "no runner artifacts scanned"
-
-
-def test_report_timings(node: RealHostNode, record_property) -> None:
-    for name, seconds in TIMINGS.items():
-        record_property(name, round(seconds, 1))
-        print(f"{name:40s} {seconds:7.1f} s")
-    Path(node.work_dir / "timings.json").write_text(json.dumps(TIMINGS))

@@ -47,3 +47,35 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+EXPORT_RUN_STEPS = (40, 80)
+EXPORT_RUN_EVAL = {"prompts": 8, "max_new_tokens": 48}
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, cache_dir, embedded) -> Path:
+    """A short eager run of the embedded default with checkpoints at steps 40 and 80 (tau evaluated
+    at both): what the export is made from."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    result = run_trainer(
+        "--run",
+        "eager",
+        "--out",
+        str(out),
+        "--steps",
+        str(EXPORT_RUN_STEPS[-1]),
+        "--set",
+        f"data.cache_dir={cache_dir}",
+        "--set",
+        f"train.eval_every={EXPORT_RUN_STEPS[0]}",
+        "--set",
+        f"train.checkpoint_every={EXPORT_RUN_STEPS[0]}",
+        "--set",
+        f"train.eval_prompts={EXPORT_RUN_EVAL['prompts']}",
+        "--set",
+        f"train.eval_max_new_tokens={EXPORT_RUN_EVAL['max_new_tokens']}",
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    return out

@@ -17,6 +17,8 @@ from trainer.checkpoint import (
 )
 from trainer.cli import main
 
+pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
+
 
 def _state():
     return {"step": 7, "weights": torch.arange(1000, dtype=torch.float32), "rng": torch.get_rng_state()}

@@ -13,6 +13,7 @@ from trainer.config import COMPILE_MODES, RUNS_DIR, ConfigError, load_config
 
 from .conftest import run_trainer
 
+pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 PROFILES = sorted(p.stem for p in RUNS_DIR.glob("*.yml"))
 
 
@@ -44,7 +45,7 @@ def test_profile_holds_experiment_settings_only(run):
     assert data["run"]["description"]
 
 
-def test_nographs_profile_is_the_story_run():
+def test_nographs_profile_is_threaded_compiled_without_cuda_graphs_logging_to_its_own_name():
     cfg = load_config("nographs")
     assert cfg.run.topology == "threaded"
     assert cfg.compile.mode == "default" and cfg.compile.dynamic is False
@@ -181,6 +182,7 @@ BAD_INPUT = [
     (["--run", "nographs", "--set", "data.train_file=/nonexistent/chat.jsonl"], "data.train_file"),
     (["--run", "nographs", "--set", "parallel.devices=cuda:3"], "cuda:3 is not usable here"),
     (["--run", "nographs", "--set", "compile.mode=reduce-overhead"], "thread-local storage"),
+    (["--run", "nographs", "--set", "parallel.bucket_mb=0"], "parallel.bucket_mb must be at least 1"),
     (["--run", "nographs", "--config", "/nonexistent/machine.yml"], "does not exist"),
 ]
 

@@ -10,6 +10,7 @@ from trainer.model import DFlashDrafter, DrafterShape, target_layer_ids
 from trainer.target import shared_parts
 
 VOCAB, BLOCK, MASK_ID, NO_EOS = 60, 4, 59, -1
+pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 CPU = torch.device("cpu")
 
 
@@ -61,7 +62,7 @@ class OracleDrafter(torch.nn.Module):
 
 @pytest.mark.parametrize(("correct", "expected_tau"), [(BLOCK - 1, 4.0), (2, 3.0), (0, 1.0)])
 def test_tau_counts_accepted_drafts(target, correct, expected_tau):
-    prompt, new_tokens = [3, 4, 5, 6], 17
+    prompt, new_tokens = [3, 4, 5, 6], 13  # the first token, then 12: whole steps of 4, 3 or 1
     continuation = greedy(target, prompt, new_tokens + BLOCK)
     oracle = OracleDrafter(len(prompt), continuation, correct)
     layers = target_layer_ids(5, 2)
@@ -87,3 +88,57 @@ def test_batched_verification_equals_one_prompt_at_a_time(target):
         assert alone_generated[0] == generated[i]
         assert alone_steps[0] == per_step[i]
         assert generated[i] == greedy(target, prompt, len(generated[i]))
+
+
+def test_tau_counts_no_token_past_the_budget_or_the_end_of_turn(target):
+    prompt = [3, 4, 5, 6]
+    continuation = greedy(target, prompt, 24)
+    oracle = OracleDrafter(len(prompt), continuation, BLOCK - 1)  # every draft right
+    layers = target_layer_ids(5, 2)
+    args = (layers, BLOCK, MASK_ID)
+    generated, per_step = speculative_generate(oracle, target, [prompt], *args, 6, NO_EOS, CPU)
+    assert per_step[0] == [4, 1] and len(generated[0]) == 6  # 1 + 4 + 1: the budget cuts the last step
+    end_of_turn = continuation[2]
+    first = continuation.index(end_of_turn)
+    generated, per_step = speculative_generate(oracle, target, [prompt], *args, 20, end_of_turn, CPU)
+    assert generated[0] == continuation[: first + 1]
+    assert sum(per_step[0]) == first  # the tokens after the first one, up to and with end-of-turn
+
+
+def compiled_drafter(target, layers):
+    drafter = DFlashDrafter(DrafterShape.from_target(target.config, 2, len(layers)), shared_parts(target))
+    drafter.reset_parameters(std=0.3)
+    for layer in drafter.layers:
+        layer.compile(dynamic=False, backend="eager")  # Dynamo's guards and recompiles, no codegen
+    return drafter
+
+
+def compiles() -> int:
+    from torch._dynamo.utils import get_compilation_metrics
+
+    return len(get_compilation_metrics())
+
+
+def test_evaluation_runs_compiled_layers_without_compiling(target):
+    layers = target_layer_ids(5, 2)
+    drafter = compiled_drafter(target, layers)
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23]]
+    torch._dynamo.reset()
+    from torch._dynamo.utils import clear_compilation_metrics
+
+    clear_compilation_metrics()
+    args = (target, prompts, layers, BLOCK, MASK_ID, 30, NO_EOS, CPU)
+    eager_tau = acceptance_length(drafter, *args)
+    assert compiles() == 0
+    bucket_tau = acceptance_length(drafter, *args, pad_buckets=True)
+    assert 1 <= compiles() <= 2  # context lengths up to 64, then up to 128: one shape each
+    assert bucket_tau == eager_tau
+
+
+def test_bucketed_padding_changes_no_result(target):
+    layers = target_layer_ids(5, 2)
+    drafter = DFlashDrafter(DrafterShape.from_target(target.config, 2, len(layers)), shared_parts(target))
+    drafter.reset_parameters(std=0.3)
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23]]
+    args = (drafter, target, prompts, layers, BLOCK, MASK_ID, 40, NO_EOS, CPU)
+    assert speculative_generate(*args, pad_buckets=True) == speculative_generate(*args)

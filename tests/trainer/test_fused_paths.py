@@ -1,10 +1,13 @@
 """The fast paths against the plain ones: the chunked frozen-head loss and flex_attention's mask."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from trainer.model import attend, frozen_head_cross_entropy
 from trainer.objective import IGNORE, block_attention_mask, flex_block_mask
+
+pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 
 
 def test_chunked_frozen_head_loss_matches_plain_cross_entropy_and_its_gradient():

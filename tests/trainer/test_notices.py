@@ -82,7 +82,6 @@ def test_post_notice_sends_credentials_as_basic_auth_and_never_quotes_them(recei
 def test_notices_arrive_in_order_with_the_right_fields(tmp_path, cache_dir, receiver, monkeypatch):
     url = f"http://hook:{SECRET}@127.0.0.1:{receiver.port}/hooks/{SECRET}"
     monkeypatch.setenv("DFLASH_NOTIFY_URL_FILE", str(url_file(tmp_path, url)))
-    monkeypatch.setenv("DFLASH_RUN_ID", "eager-20260101T000000Z-1")
     out, log = tmp_path / "out", tmp_path / "run.log"
     supervisor = launch(log, 1, [*common(cache_dir, steps=8), "--out", str(out)])
     try:
@@ -94,10 +93,11 @@ def test_notices_arrive_in_order_with_the_right_fields(tmp_path, cache_dir, rece
     finally:
         finish(supervisor)
     notices = [body for _, _, body in receiver.received]
+    run_id = json.loads((out / "run.json").read_text())["run_id"]  # the run record's
     assert [n["event"] for n in notices] == ["start", "crash", "restart", "finish"]
     for notice in notices:
         assert set(notice) == set(NOTICE_FIELDS)
-        assert notice["run"] == "eager" and notice["run_id"] == "eager-20260101T000000Z-1"
+        assert notice["run"] == "eager" and notice["run_id"] == run_id
         assert notice["host"] == socket.gethostname()
         assert notice["text"].startswith(f"eager on {socket.gethostname()}: ")
     assert notices[1]["exit_status"] == -9 and notices[1]["step"] >= 5

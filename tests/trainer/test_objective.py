@@ -17,6 +17,7 @@ from trainer.objective import (
     sample_anchors,
 )
 
+pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 MASK = 99
 
 

@@ -270,13 +270,15 @@ def test_two_hosts_without_shared_storage_resume_from_rank_0(embedded, cache_dir
         f"checkpoint saved step {stopped} by rank 0 on {socket.gethostname()}: {lead_checkpoint}" in first[1]
     )
     assert f"stopped at step {stopped}" in first[1]
-    assert not outs[1].exists(), "host 1 writes nothing: no train.log, metrics or checkpoints"
+    assert sorted(p.name for p in outs[1].iterdir()) == ["run.json"], (
+        "host 1 writes no train.log, metrics or checkpoints: only its own run record"
+    )
 
     second = run_both("--resume", signal_host=0, after=f"step {stopped + 1}/")
     assert f"resumed from {lead_checkpoint} at step {stopped}\n" in second[0]
     assert f"resumed from {lead_checkpoint} at step {stopped} (received from rank 0)" in second[1]
     assert progress(second[1]) == progress(second[0]), second
-    assert not outs[1].exists()
+    assert sorted(p.name for p in outs[1].iterdir()) == ["run.json"]
     again = int(second[0].split("stopped at step ")[1].split()[0])
     assert again > stopped
 
@@ -326,8 +328,8 @@ def test_sigterm_while_the_rendezvous_waits_ends_torchrun_at_once(tmp_path):
     assert code == 128 + signal.SIGTERM, log.read_text()
     assert took < 10, f"torchrun took {took:.0f}s to end after SIGTERM"
     assert "torchrun: SIGTERM while no rank runs (rendezvous or exit barrier): exiting" in log.read_text()
-    # Nothing ran: the output holds only the run's events, which say so.
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["events.jsonl"]
+    # Nothing ran: the output holds only the run record and the run's events, which say so.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["events.jsonl", "run.json"]
     from trainer.events import read_events
 
     assert [e["event"] for e in read_events(tmp_path / "out")] == ["start", "stop"]

@@ -1,58 +1,193 @@
-"""Gradient averaging across replicas: device copies on CPU, NCCL across CUDA devices."""
+"""Gradient exchange across replicas: buckets summed during the backward, on CPU and across GPUs."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from trainer.topology import average_gradients
+from trainer.exchange import GradientExchange, plan_buckets
+from trainer.topology import scale_gradients
+
+pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 
 
-def _replicas(devices, grads_per_replica):
+class Tiny(torch.nn.Module):
+    """Three parameters, one of them unused by forward (its bucket must still complete)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(8, 16)
+        self.second = torch.nn.Linear(16, 4, bias=False)
+        self.unused = torch.nn.Parameter(torch.zeros(5))
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x))).pow(2).sum()
+
+
+def _replicas(devices):
+    torch.manual_seed(0)
+    reference = Tiny()
     replicas = []
-    for device, grads in zip(devices, grads_per_replica, strict=True):
-        params = []
-        for grad in grads:
-            param = torch.nn.Parameter(torch.zeros_like(grad, device=device))
-            param.grad = grad.to(device)
-            params.append(param)
-        replicas.append(SimpleNamespace(params=params))
+    for device in devices:
+        module = Tiny().to(device)
+        module.load_state_dict(reference.state_dict())
+        replicas.append(
+            SimpleNamespace(module=module, params=list(module.parameters()), device=torch.device(device))
+        )
     return replicas
 
 
-def _expected(grads_per_replica, total_weight):
-    return [sum(g[i] for g in grads_per_replica) / total_weight for i in range(len(grads_per_replica[0]))]
+def _inputs(count):
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(3, 8, generator=generator) for _ in range(count)]
 
 
-def test_average_by_device_copies():
-    torch.manual_seed(0)
-    grads = [[torch.randn(3, 4), torch.randn(5)] for _ in range(3)]
-    replicas = _replicas(["cpu"] * 3, grads)
-    average_gradients(replicas, total_weight=6.0)
-    for replica in replicas:
-        for param, expected in zip(replica.params, _expected(grads, 6.0), strict=True):
-            assert torch.allclose(param.grad, expected)
+def _expected_grads(replicas, inputs, weights):
+    """Each replica's gradient computed alone, then summed in replica order and scaled."""
+    grads = []
+    for replica, x in zip(replicas, inputs, strict=True):
+        module = Tiny()
+        module.load_state_dict({k: v.cpu() for k, v in replica.module.state_dict().items()})
+        module(x).backward()
+        grads.append([p.grad if p.grad is not None else torch.zeros_like(p) for p in module.parameters()])
+    scale = 1.0 / sum(weights)
+    expected = []
+    for index in range(len(grads[0])):
+        total = grads[0][index].clone()
+        for other in grads[1:]:
+            total += other[index]
+        expected.append(total.mul_(scale))
+    return expected
+
+
+def _step(exchange, replicas, inputs, weights):
+    """What each worker thread does in a step, concurrently: report, backward, finish, wait."""
+    errors = []
+
+    def work(rank):
+        try:
+            replica = replicas[rank]
+            exchange.report_weight(rank, weights[rank])
+            replica.module(inputs[rank].to(replica.device)).backward()
+            exchange.finish(rank)
+            exchange.wait_reduced(rank)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(len(replicas))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+
+
+def test_buckets_are_contiguous_and_cover_every_parameter():
+    assert plan_buckets([10, 10, 10, 10], element_bytes=4, bucket_bytes=80) == [(0, 2), (2, 4)]
+    assert plan_buckets([100, 1, 1], element_bytes=4, bucket_bytes=16) == [(0, 1), (1, 3)]
+    assert plan_buckets([1, 1, 1], element_bytes=4, bucket_bytes=1 << 20) == [(0, 3)]
+    assert plan_buckets([], element_bytes=4, bucket_bytes=8) == []
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 64])  # one bucket; one bucket per parameter or so
+def test_cpu_exchange_sums_and_scales_like_one_big_batch(bucket_bytes):
+    replicas = _replicas(["cpu", "cpu", "cpu"])
+    inputs, weights = _inputs(3), [2.0, 3.0, 5.0]
+    expected = _expected_grads(replicas, inputs, weights)
+    exchange = GradientExchange(replicas, timeout_s=30, bucket_bytes=bucket_bytes)
+    try:
+        for rank in range(3):
+            exchange.attach(rank)
+        for _ in range(2):  # the buffers are zeroed between steps, as apply_update does
+            _step(exchange, replicas, inputs, weights)
+            for replica in replicas:
+                for param, want in zip(replica.params, expected, strict=True):
+                    assert torch.equal(param.grad, want)
+                replica.module.zero_grad(set_to_none=False)
+    finally:
+        exchange.close()
+
+
+def test_gradients_are_views_of_one_buffer_per_replica():
+    replicas = _replicas(["cpu", "cpu"])
+    exchange = GradientExchange(replicas, timeout_s=30)
+    try:
+        for rank in range(2):
+            exchange.attach(rank)
+        buffer = replicas[0].grad_buffer
+        assert buffer.numel() == sum(p.numel() for p in replicas[0].params)
+        buffer.fill_(7.0)
+        assert all(torch.all(p.grad == 7.0) for p in replicas[0].params)
+        assert all(torch.all(p.grad == 0.0) for p in replicas[1].params)
+    finally:
+        exchange.close()
+
+
+def test_a_missing_worker_times_out_instead_of_hanging():
+    replicas = _replicas(["cpu", "cpu"])
+    exchange = GradientExchange(replicas, timeout_s=0.5)
+    try:
+        for rank in range(2):
+            exchange.attach(rank)
+        exchange.report_weight(0, 1.0)
+        replicas[0].module(_inputs(1)[0]).backward()
+        exchange.finish(0)
+        with pytest.raises(RuntimeError, match="step_timeout_s"):
+            exchange.wait_reduced(0)
+    finally:
+        exchange.close()
 
 
 def test_single_replica_is_scaled():
-    grads = [[torch.ones(2, 2) * 4]]
-    replicas = _replicas(["cpu"], grads)
-    average_gradients(replicas, total_weight=2.0)
-    assert torch.equal(replicas[0].params[0].grad, torch.full((2, 2), 2.0))
+    param = torch.nn.Parameter(torch.zeros(2, 2))
+    param.grad = torch.ones(2, 2) * 4
+    scale_gradients(SimpleNamespace(params=[param]), total_weight=2.0)
+    assert torch.equal(param.grad, torch.full((2, 2), 2.0))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL all-reduce across devices)"
 )
-def test_average_by_nccl_across_gpus():
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 64])
+def test_nccl_exchange_across_gpus(bucket_bytes):
     count = torch.cuda.device_count()
+    replicas = _replicas([f"cuda:{i}" for i in range(count)])
+    inputs, weights = _inputs(count), [float(i + 1) for i in range(count)]
+    expected = _expected_grads(replicas, inputs, weights)
+    exchange = GradientExchange(replicas, timeout_s=60, bucket_bytes=bucket_bytes)
+    try:
+        for rank in range(count):
+            exchange.attach(rank)
+        _step(exchange, replicas, inputs, weights)
+        for replica in replicas:
+            torch.cuda.synchronize(replica.device)
+            for param, want in zip(replica.params, expected, strict=True):
+                assert torch.allclose(param.grad.cpu(), want, atol=1e-5)
+    finally:
+        exchange.close()
+
+
+def test_another_workers_replica_copies_the_first_ones_weights():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trainer.config import load_config
+    from trainer.replica import Replica
+
+    cfg = load_config("eager", sets=["drafter.num_layers=2", "parallel.devices=cpu"])
+    shape = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    target = Qwen3ForCausalLM(shape).eval().requires_grad_(False)
     torch.manual_seed(0)
-    grads = [[torch.randn(64, 32), torch.randn(7)] for _ in range(count)]
-    replicas = _replicas([f"cuda:{i}" for i in range(count)], grads)
-    average_gradients(replicas, total_weight=10.0)
-    for replica in replicas:
-        for param, expected in zip(replica.params, _expected(grads, 10.0), strict=True):
-            assert torch.allclose(param.grad.cpu(), expected, atol=1e-5)
+    first = Replica(cfg, torch.device("cpu"), target, [1, 3], 63, 0)
+    second = Replica(cfg, torch.device("cpu"), target, [1, 3], 63, 1, copy_of=first)
+    mine, theirs = first.drafter.state_dict(), second.drafter.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[key], theirs[key]) for key in mine)
+    assert all(mine[key].data_ptr() != theirs[key].data_ptr() for key in mine), "copies, not shared"
+    assert second.drafter.shared.embed is first.drafter.shared.embed  # the target's, not copied

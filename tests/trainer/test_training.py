@@ -177,7 +177,7 @@ def test_worker_failure_stops_the_run(tmp_path, cache_dir, monkeypatch, capsys):
     assert leftover == [] and {t.name for t in threading.enumerate()} <= before | {"MainThread"}
 
 
-def test_compiled_run_prints_the_story_line(tmp_path, cache_dir):
+def test_compiled_run_says_it_compiles_each_worker_and_ends_with_done(tmp_path, cache_dir):
     out = tmp_path / "run"
     result = run_trainer(
         "--run",

@@ -48,6 +48,18 @@ class ActionModule(ActionBase):
             raise AnsibleActionFail("run_ledger needs path and a record with run_id")
         path = os.path.abspath(os.path.expanduser(str(path)))
         record = json.loads(json.dumps(record, default=str))
+        try:
+            changed = self._write(path, record, bool(args.get("update", False)))
+        except OSError as exc:
+            what = exc.strerror or str(exc)
+            raise AnsibleActionFail(
+                f"cannot write the run ledger {path}: {what} ({exc.filename or path}); the run itself is "
+                "recorded on the target (<out>/run.json), status.yml and stop.yml find it there"
+            ) from None
+        result.update(changed=changed, record=record, path=path)
+        return result
+
+    def _write(self, path: str, record: dict, update: bool = False) -> bool:
         os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
         with open(path + ".lock", "a", encoding="utf-8") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -56,12 +68,15 @@ class ActionModule(ActionBase):
                     lines = [line.rstrip("\n") for line in handle if line.strip()]
             except FileNotFoundError:
                 lines = []
-            merged, changed = merge(lines, record, bool(args.get("update", False)))
+            merged, changed = merge(lines, record, update)
             if changed and not self._task.check_mode:
                 handle_fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".runs-")
-                with os.fdopen(handle_fd, "w", encoding="utf-8") as out:
-                    out.write("\n".join(merged) + "\n")
+                try:
+                    with os.fdopen(handle_fd, "w", encoding="utf-8") as out:
+                        out.write("\n".join(merged) + "\n")
+                except OSError:
+                    os.unlink(temporary)  # a full disk leaves no partial ledger behind
+                    raise
                 os.chmod(temporary, 0o640)
                 os.replace(temporary, path)
-        result.update(changed=changed, record=record, path=path)
-        return result
+        return changed

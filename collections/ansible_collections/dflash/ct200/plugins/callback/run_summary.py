@@ -1,3 +1,5 @@
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Callback: after the play recap, a one-screen summary of what a playbook did to a run."""
 
 from __future__ import annotations
@@ -8,11 +10,14 @@ type: aggregate
 short_description: Print the run summary after the recap
 description:
   - Prints the lines a play stored with C(ansible.builtin.set_stats) under C(dflash_summary)
-    (run, PID, log, how to follow it), after the default callback's recap.
+    after the default callback's recap, between two rules as wide as the longest line (at most
+    100 characters). Launch stores the run, PID, log and how to follow it; status and stop a
+    block per host.
+  - Prints nothing when the play stored no such lines.
 requirements:
   - enabled in ansible.cfg (callbacks_enabled)
 author:
-  - DFlash CT 200 team
+  - DFlash CT 200 team (!UNKNOWN)
 """
 
 from ansible.plugins.callback import CallbackBase

@@ -1,3 +1,5 @@
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Lookup: the trainer's source files and their content hash, read on the controller."""
 
 from __future__ import annotations
@@ -6,20 +8,25 @@ DOCUMENTATION = r"""
 name: trainer_tree
 short_description: List a source tree and hash its content
 description:
-  - Walks the given directory on the controller, skipping byte-code caches and hidden entries,
-    and returns one dict with C(hash) (C(sha256:) over every relative path and file digest, in
-    sorted order), C(files) (C(path), C(mode), C(content_b64)) and C(dirs) (relative directories).
-  - The hash names the content only, not timestamps, so an unchanged tree keeps its hash.
+  - Walks the given directory on the controller, skipping byte-code caches (C(__pycache__),
+    C(*.pyc), C(*.pyo)) and hidden entries, and returns one dict with C(hash), C(files) and C(dirs).
+  - C(hash) is C(sha256:) over every file's relative path and SHA-256 digest, directory by
+    directory with names sorted, so it names the content only, not timestamps; an unchanged tree
+    keeps its hash.
+  - C(files) lists C(path) (O(prefix) and the relative path), C(mode) (C(0755) for an executable
+    file, else C(0644)) and C(content_b64); C(dirs) lists the relative directories.
 options:
   _terms:
-    description: The directory to walk.
+    description: The directory to walk (C(~) is expanded); one result per directory given.
+    type: list
+    elements: path
     required: true
   prefix:
     description: Prepended to every relative path in C(files) (for example C(trainer/)).
     type: str
     default: ""
 author:
-  - DFlash CT 200 team
+  - DFlash CT 200 team (!UNKNOWN)
 """
 
 EXAMPLES = r"""

@@ -1,3 +1,5 @@
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Read GPU usage with nvidia-smi and judge whether every GPU is idle.
 
 A GPU is busy when its used memory or utilization is above a threshold, or a compute process
@@ -74,7 +76,8 @@ def judge(gpus: list[dict], max_memory: int, max_util: int) -> list[str]:
             reasons.append(f"{gpu['utilization_pct']} % utilization (limit {max_util} %)")
         for app in gpu["apps"]:
             label = app["name"] or "unnamed process (a host PID, seen from a container?)"
-            reasons.append(f"process {app['pid']} {label} holding {app['used_memory_mib']} MiB")
+            held = "?" if app["used_memory_mib"] is None else app["used_memory_mib"]
+            reasons.append(f"process {app['pid']} {label} holding {held} MiB")
         if reasons:
             problems.append(f"{name} is busy: " + "; ".join(reasons))
     return problems

@@ -11,6 +11,14 @@ import json
 import os
 import re
 from itertools import pairwise
+from pathlib import Path
+
+from ansible_collections.dflash.ct200.plugins.module_utils.run_record import (
+    checkpoints,
+    last_metrics,
+    lock_holder,
+    read_record,
+)
 
 PROGRESS_RE = re.compile(r"^step \d+/\d+ ")
 # Lines of the log read for how the trainer ended: torchrun's failure report alone is some 40 lines,
@@ -179,3 +187,113 @@ def _verdict(lines: list[str]) -> dict:
         if line.startswith("Traceback ") or line.startswith("RuntimeError") or "Error: " in line:
             return {"exit_status": 1, "exit_reason": "crashed: " + line}
     return {"exit_status": None, "exit_reason": "unknown (killed, or the log says nothing)"}
+
+
+# The truth on the target: the run records and output locks under the workspace's runs directory
+# (module_utils/run_record.py is trainer/runrecord.py, linked: one owner of the format).
+
+ENDED_STATES = {"finished": "finished", "stopped": "stopped", "failed": "failed", "crashed": "failed"}
+KILLED_REASON = (
+    "killed: it ended without closing its run record (SIGKILL, out of memory, or the host went down)"
+)
+
+
+def _outputs(runs_dir: str | None) -> list:
+    if not runs_dir:
+        return []
+    try:
+        children = sorted(Path(runs_dir).iterdir())
+    except OSError:
+        return []
+    # Outputs moved aside by a fresh start (<run>.<time>) keep their records but are history.
+    return [child for child in children if child.is_dir() and "." not in child.name]
+
+
+def target_run(out) -> dict | None:
+    """One output's record with what the target says now: live (its lock is held by our trainer),
+    the state for the controller's record and the exit as the record tells it."""
+    record = read_record(out)
+    if record is None or not record.get("run_id"):
+        return None
+    holder = lock_holder(out)
+    now = probe(record.get("pid"), record.get("start_time"), record.get("boot_id"), record.get("run"))
+    live = holder is not None and now["state"] == "running"
+    if holder and not live and holder != record.get("pid"):
+        # Held by a start that has not written its record yet: the holder is the run to see.
+        live, now = True, {"state": "running", "alive": True, "pid": holder}
+    recorded_state = record.get("state", "running")
+    if live:
+        state, exit_info = "running", {}
+    elif recorded_state in ENDED_STATES:
+        state = ENDED_STATES[recorded_state]
+        exit_info = {"exit_status": record.get("exit_status"), "exit_reason": record.get("exit_reason")}
+    else:
+        state, exit_info = "exited", {"exit_status": None, "exit_reason": KILLED_REASON}
+    return {"record": record, "live": live, "holder": holder, "probe": now, "state": state, **exit_info}
+
+
+def target_runs(runs_dir: str | None) -> list[dict]:
+    found = [run for run in (target_run(out) for out in _outputs(runs_dir)) if run]
+    return sorted(found, key=lambda run: str(run["record"].get("started_at", "")), reverse=True)
+
+
+CONTROLLER_FIELDS = ("run_id", "run", "pid", "start_time", "boot_id", "log", "out", "started_at")
+
+
+def reconcile(recorded: dict | None, runs: list[dict]) -> dict:
+    """Which run the controller should see, and whether its cache disagrees with the target.
+
+    Returns {"run": the chosen target run or None, "record": the controller record to keep,
+    "repair": one line saying what was wrong with the cache, or None}. A live run wins (the one the
+    cache names if several live), else the run the cache names, else the newest on the target.
+    A cached final state (stopped by stop.yml, failed at launch) is kept: it says what happened.
+    """
+    recorded = recorded if isinstance(recorded, dict) else {}
+    by_id = {run["record"]["run_id"]: run for run in runs}
+    live = [run for run in runs if run["live"]]
+    cached = by_id.get(recorded.get("run_id"))
+    if live:
+        chosen = cached if cached in live else live[0]
+    elif cached:
+        chosen = cached
+    elif runs and str(runs[0]["record"].get("started_at", "")) >= str(recorded.get("started_at", "")):
+        chosen = runs[0]
+    else:
+        return {"run": None, "record": recorded or None, "repair": None}
+    truth = {key: chosen["record"].get(key) for key in CONTROLLER_FIELDS}
+    if chosen["live"] and chosen["probe"].get("pid") != truth["pid"]:
+        truth["pid"] = chosen["probe"]["pid"]
+    if recorded.get("run_id") != truth["run_id"]:
+        record = {**truth, "state": chosen["state"]}
+        had = f"run {recorded['run_id']}" if recorded.get("run_id") else "no run"
+        repair = (
+            f"the controller's cache had {had}; the target holds run {truth['run_id']} "
+            f"({chosen['state']}, PID {truth['pid']}): cache and ledger repaired"
+        )
+        return {"run": chosen, "record": record, "repair": repair}
+    record = {**recorded, **{key: value for key, value in truth.items() if value is not None}}
+    if recorded.get("state", "running") == "running" and chosen["state"] != "running":
+        record["state"] = chosen["state"]
+        repair = (
+            f"the controller's cache said run {truth['run_id']} is running; the target says "
+            f"{chosen['state']}: cache and ledger repaired"
+        )
+        return {"run": chosen, "record": record, "repair": repair}
+    return {"run": chosen, "record": record, "repair": None}
+
+
+def progress_line(out: str | None, steps: int | None) -> str | None:
+    """The latest train row of <out>/metrics.jsonl as a progress line, or None."""
+    row = last_metrics(out)["train"] if out else None
+    if not row:
+        return None
+    total = f"/{steps}" if steps else ""
+    return (
+        f"step {row.get('step')}{total} loss {row.get('loss', 0):.4f} lr {row.get('lr', 0):.2e} "
+        f"tok/s {row.get('tokens_per_s', 0):.0f}"
+    )
+
+
+def newest_checkpoint(out: str | None) -> tuple[int, str] | None:
+    found = checkpoints(out) if out else []
+    return (found[-1][0], str(found[-1][1])) if found else None

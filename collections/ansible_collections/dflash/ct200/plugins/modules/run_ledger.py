@@ -11,8 +11,8 @@ description:
     launch, keyed by C(run_id).
   - Always runs on the controller, whatever the target (an action plugin; it never runs a
     module on the target). Writes atomically (temporary file, rename) under an exclusive lock.
-  - O(state=present) appends the record, or replaces the line with the same C(run_id) where it
-    differs. Supports check mode.
+  - Appends O(record), or replaces the line with the same C(run_id) where it differs. Lines it
+    cannot parse are kept as they are. Supports check mode.
 options:
   path:
     description: The ledger file on the controller.

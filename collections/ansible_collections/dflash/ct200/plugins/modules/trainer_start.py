@@ -17,7 +17,21 @@ description:
   - Returns the PID with its start time (field 22 of C(/proc/<pid>/stat)) and the boot id, which
     identify the trainer later even when the PID is reused.
   - No shell is involved: the script path is passed as one argument.
+  - With O(out), one trainer per output: the module takes the output's exclusive lock
+    (C(<parent>/.<name>.lock)) before anything else and fails at once, naming the PID, while another
+    process holds it; the started script inherits the locked file descriptor (C(trainer.launch)
+    keeps it across its exec), so there is no moment where the output is unlocked. With O(fresh),
+    an earlier output is moved aside (C(<out>.<UTC time>)), never deleted. The module then waits
+    for the run record C(<out>/run.json) that C(trainer.launch) writes and returns it: the run is
+    recorded on the target before the controller hears of it.
 options:
+  out:
+    description: The run's output directory (the trainer's C(--out)).
+    type: path
+  fresh:
+    description: Move an existing O(out) aside before the start (start over; nothing is deleted).
+    type: bool
+    default: false
   script:
     description: The run script (C(run.sh)), executable.
     type: path
@@ -75,6 +89,14 @@ boot_id:
   description: The boot id.
   type: str
   returned: success
+record:
+  description: The run record the trainer wrote on the target (C(<out>/run.json)), with O(out).
+  type: dict
+  returned: success
+moved_aside:
+  description: Where an earlier output went with O(fresh).
+  type: str
+  returned: success
 cmdline:
   description: The trainer's command line.
   type: list
@@ -82,11 +104,20 @@ cmdline:
   returned: success
 """
 
+import fcntl
 import os
 import subprocess
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.dflash.ct200.plugins.module_utils.run_record import (
+    LOCK_FD_ENV,
+    lock_holder,
+    lock_path,
+    move_aside,
+    read_record,
+    write_lock_pid,
+)
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     VERDICT_LINES,
     describe_exit,
@@ -118,6 +149,45 @@ def keep_earlier_log(path: str) -> str | None:
     return kept
 
 
+def take_output_lock(module: AnsibleModule) -> int:
+    """The output's exclusive lock, or fail at once naming the process that holds it."""
+    out = module.params["out"]
+    path = lock_path(out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o640)
+    except OSError as exc:
+        module.fail_json(msg=f"cannot create the output lock {path}: {exc.strerror}; nothing was started")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = lock_holder(out)
+        record = read_record(out) or {}
+        what = (
+            f" (run {record.get('run_id')}, started {record.get('started_at')})"
+            if record.get("pid") == holder
+            else ""
+        )
+        module.fail_json(
+            msg=(
+                f"A trainer is already running on output {out}: PID {holder or 'unknown'}{what} "
+                "holds its lock. "
+                "One trainer per output: stop it first (./dev.sh stop), or watch it (./dev.sh status)."
+            ),
+            holder=holder,
+        )
+    return fd
+
+
+def recorded(out: str | None, pid: int) -> dict | None:
+    """The run record trainer.launch wrote for `pid`, or None (not yet, or no output given)."""
+    if not out:
+        return None
+    record = read_record(out)
+    return record if record and record.get("pid") == pid else None
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
@@ -127,6 +197,8 @@ def main() -> None:
             "settle": {"type": "float", "default": 10},
             "args": {"type": "list", "elements": "str", "default": []},
             "tail_lines": {"type": "int", "default": 20},
+            "out": {"type": "path"},
+            "fresh": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )
@@ -137,7 +209,12 @@ def main() -> None:
     if not os.access(params["script"], os.X_OK):
         module.fail_json(msg=f"{params['script']} is missing or not executable: run the workspace role first")
 
+    lock_fd = take_output_lock(module) if params["out"] else None
+    moved = move_aside(params["out"]) if params["out"] and params["fresh"] else None
     kept = keep_earlier_log(params["log"])
+    env = dict(os.environ)
+    if lock_fd is not None:
+        env[LOCK_FD_ENV] = str(lock_fd)
     with open(params["log"], "wb") as log, open(os.devnull, "rb") as devnull:
         process = subprocess.Popen(
             [params["script"], *params["args"]],
@@ -146,15 +223,24 @@ def main() -> None:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            pass_fds=() if lock_fd is None else (lock_fd,),
+            env=env,
             cwd=os.path.dirname(params["script"]) or "/",
         )
     pid = process.pid
+    if lock_fd is not None:
+        # The started process holds the lock now (the same open file): ours can go.
+        write_lock_pid(lock_fd, pid)
+        os.close(lock_fd)
     # Nobody waits for the trainer here: it belongs to its own session once this module exits.
     process.returncode = 0  # keeps Popen's destructor from warning about a running child
     deadline = time.monotonic() + params["settle"]
     current = probe(pid, None, None, None)
-    # While run.sh exec's python, /proc/<pid>/cmdline may read empty or show the shell: poll.
-    while time.monotonic() < deadline and not is_trainer_cmdline(current["cmdline"]):
+    # While run.sh exec's python, /proc/<pid>/cmdline may read empty or show the shell: poll. With
+    # an output, until trainer.launch has written the run record too.
+    while time.monotonic() < deadline and not (
+        is_trainer_cmdline(current["cmdline"]) and (not params["out"] or recorded(params["out"], pid))
+    ):
         stat = read_stat(pid)
         if stat is None or stat["state"] in ("Z", "X"):
             break
@@ -162,6 +248,19 @@ def main() -> None:
         current = probe(pid, None, None, None)
     stat = read_stat(pid)
     alive = stat is not None and stat["state"] not in ("Z", "X")
+    record = recorded(params["out"], pid)
+    running = alive and current["alive"] and is_trainer_cmdline(current["cmdline"], params["run"])
+    if running and params["out"] and not record:
+        # Started, but its record is missing: a run nobody can find must not keep running.
+        os.kill(pid, 15)
+        module.fail_json(
+            msg=(
+                f"{params['script']} started as PID {pid} (run {params['run']}) but wrote no run record "
+                f"in {params['out']} within {params['settle']:.0f} s, so it was stopped (SIGTERM). "
+                f"Last lines of {params['log']}:\n" + "\n".join(tail(params["log"], params["tail_lines"]))
+            ),
+            changed=True,
+        )
     if not alive or not current["alive"] or not is_trainer_cmdline(current["cmdline"], params["run"]):
         time.sleep(0.2)  # let an exiting trainer's last lines reach the log
         log_tail = tail(params["log"], params["tail_lines"])
@@ -181,6 +280,10 @@ def main() -> None:
     module.exit_json(
         changed=True,
         kept_log=kept,
+        moved_aside=str(moved) if moved else None,
+        record=record,
+        run_id=record.get("run_id") if record else None,
+        started_at=record.get("started_at") if record else None,
         pid=pid,
         start_time=current["start_time"],
         boot_id=current["boot_id"],

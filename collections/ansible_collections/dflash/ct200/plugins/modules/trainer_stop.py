@@ -28,6 +28,15 @@ options:
   log:
     description: The run's log, scanned for the checkpoint line written after the signal.
     type: path
+  runs_dir:
+    description:
+      - The workspace's runs directory. With it the trainer to stop is found on the target (run
+        records and output locks, as C(run_probe) does), whether O(recorded) is right, stale or empty;
+        the checkpoint is read from the output's checkpoint directory, not the log.
+    type: path
+  recorded:
+    description: The controller's cached record (host fact C(trainer_run)), used with O(runs_dir).
+    type: dict
   timeout:
     description: Seconds to wait for the exit after SIGTERM before SIGKILL.
     type: float
@@ -62,6 +71,14 @@ checkpoint:
       line of that stop.
   type: str
   returned: when it was signalled
+record:
+  description: With O(runs_dir), the record for the controller's cache and ledger (state after the stop).
+  type: dict
+  returned: with O(runs_dir)
+repair:
+  description: With O(runs_dir), one line where the controller's cache disagreed with the target, else null.
+  type: str
+  returned: with O(runs_dir)
 killed:
   description: Whether SIGKILL was needed.
   type: bool
@@ -80,8 +97,11 @@ import time
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     CHECKPOINT_RE,
+    newest_checkpoint,
     probe,
+    reconcile,
     tail,
+    target_runs,
 )
 
 POLL_S = 0.2
@@ -132,6 +152,21 @@ def wait_gone(module: AnsibleModule, seconds: float) -> bool:
     return gone(module)
 
 
+def find_on_target(module: AnsibleModule) -> dict:
+    """Which trainer to stop: the live run on the target (records and locks) wins over the cache."""
+    params = module.params
+    found = reconcile(params["recorded"], target_runs(params["runs_dir"]))
+    record = found["record"] or {}
+    params.update(
+        pid=record.get("pid"),
+        start_time=record.get("start_time"),
+        boot_id=record.get("boot_id"),
+        run=record.get("run"),
+        log=record.get("log") or params["log"],
+    )
+    return found
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
@@ -142,12 +177,19 @@ def main() -> None:
             "log": {"type": "path"},
             "timeout": {"type": "float", "default": 120},
             "tail_lines": {"type": "int", "default": 20},
+            "runs_dir": {"type": "path"},
+            "recorded": {"type": "dict"},
         },
         supports_check_mode=True,
     )
     params = module.params
+    found = {"run": None, "record": None, "repair": None}
+    if params["runs_dir"]:
+        found = find_on_target(module)
     before = probe(params["pid"], params["start_time"], params["boot_id"], params["run"])
     result = {"state_before": before["state"], "killed": False, "pid": params["pid"]}
+    if params["runs_dir"]:
+        result.update(record=found["record"], repair=found["repair"])
     if before["state"] != "running":
         reasons = {
             "none": "no run is recorded for this host",
@@ -159,6 +201,8 @@ def main() -> None:
         module.exit_json(changed=True, msg=f"would send SIGTERM to PID {params['pid']}", **result)
 
     offset = log_size(params["log"])
+    out = (found["record"] or {}).get("out")
+    newest_before = newest_checkpoint(out)
     started = time.monotonic()
     os.kill(params["pid"], signal.SIGTERM)
     exited = wait_gone(module, params["timeout"])
@@ -167,10 +211,18 @@ def main() -> None:
         result["killed"] = True
         exited = wait_gone(module, KILL_WAIT_S)
     result["stopped_in_s"] = round(time.monotonic() - started, 2)
-    after = new_lines(params["log"], offset)
-    result["checkpoint"] = next((line for line in reversed(after) if CHECKPOINT_RE.search(line)), None)
-    if result["checkpoint"] is None:
-        result["checkpoint"] = stop_checkpoint_before(params["log"])
+    newest_after = newest_checkpoint(out)
+    if newest_after and newest_after != newest_before:
+        # The checkpoint directory is the truth; the line keeps the log's form for readers of it.
+        result["checkpoint"] = f"checkpoint saved step {newest_after[0]} {newest_after[1]}"
+    else:
+        # A host without the run's checkpoints (not rank 0's in a multi-host run): its log says where.
+        after = new_lines(params["log"], offset)
+        result["checkpoint"] = next((line for line in reversed(after) if CHECKPOINT_RE.search(line)), None)
+        if result["checkpoint"] is None:
+            result["checkpoint"] = stop_checkpoint_before(params["log"])
+    if found["record"]:
+        result["record"] = {**found["record"], "state": "stopped", "killed": result["killed"]}
     result["log_tail"] = tail(params["log"], params["tail_lines"])
     if not exited:
         module.fail_json(
@@ -187,7 +239,7 @@ def main() -> None:
     elif result["checkpoint"]:
         msg = f"stopped PID {params['pid']} after SIGTERM; {result['checkpoint']}"
     else:
-        msg = f"stopped PID {params['pid']} after SIGTERM; no checkpoint line (it had not started training)"
+        msg = f"stopped PID {params['pid']} after SIGTERM; no new checkpoint (it had not started training)"
     module.exit_json(changed=True, msg=msg, **result)
 
 

@@ -1,4 +1,6 @@
 #!/usr/bin/python
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Write a set of files into a directory in one module run, only those whose content or mode differs."""
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ options:
     type: path
     required: true
   files:
-    description: The files, each with C(path) (relative, no C(..)), C(content_b64) and C(mode).
+    description:
+      - The files, each with C(path) (relative to O(dest), no C(..), no empty or absolute parts),
+        C(content_b64) (the content, base64) and C(mode) (octal string, default C(0640)).
+      - A path that is not plain and relative fails the module before anything is written.
     type: list
     elements: dict
     required: true
@@ -35,7 +40,7 @@ options:
     type: str
     default: "0750"
 author:
-  - DFlash CT 200 team
+  - DFlash CT 200 team (!UNKNOWN)
 """
 
 EXAMPLES = r"""
@@ -52,7 +57,7 @@ EXAMPLES = r"""
 
 RETURN = r"""
 written:
-  description: Relative paths written (new or changed).
+  description: Relative paths written (new or changed); on a failure, those written before it.
   type: list
   elements: str
   returned: always
@@ -127,22 +132,32 @@ def main() -> None:
             module.fail_json(msg=f"workspace_sync: prune entry {prune_dir!r} is not a plain relative path")
 
     written, removed = [], []
-    for path, (data, mode) in sorted(wanted.items()):
-        full = os.path.join(dest, path)
-        if current_state(full) != (hashlib.sha256(data).hexdigest(), mode):
-            written.append(path)
-            if not module.check_mode:
-                write_atomic(full, data, mode, dir_mode)
-    for prune_dir in module.params["prune"]:
-        root = os.path.join(dest, prune_dir)
-        for current, subdirs, names in os.walk(root):
-            subdirs[:] = [d for d in subdirs if d not in SKIPPED_DIRS]
-            for name in names:
-                relative = os.path.relpath(os.path.join(current, name), dest)
-                if relative not in wanted:
-                    removed.append(relative)
-                    if not module.check_mode:
-                        os.unlink(os.path.join(current, name))
+    path = ""
+    try:
+        for path, (data, mode) in sorted(wanted.items()):
+            full = os.path.join(dest, path)
+            if current_state(full) != (hashlib.sha256(data).hexdigest(), mode):
+                if not module.check_mode:
+                    write_atomic(full, data, mode, dir_mode)
+                written.append(path)
+        for prune_dir in module.params["prune"]:
+            for current, subdirs, names in os.walk(os.path.join(dest, prune_dir)):
+                subdirs[:] = [d for d in subdirs if d not in SKIPPED_DIRS]
+                for name in names:
+                    path = os.path.relpath(os.path.join(current, name), dest)
+                    if path not in wanted:
+                        if not module.check_mode:
+                            os.unlink(os.path.join(current, name))
+                        removed.append(path)
+    except OSError as error:
+        # A full disk, a read-only workspace, a file where a directory must go: name the file and
+        # what was already done, rather than a traceback.
+        module.fail_json(
+            msg=f"workspace_sync: cannot write or remove {path} below {dest}: {error.strerror or error}",
+            changed=bool(written or removed),
+            written=written,
+            removed=sorted(removed),
+        )
     module.exit_json(changed=bool(written or removed), written=written, removed=sorted(removed))
 
 

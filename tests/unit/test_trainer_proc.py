@@ -3,14 +3,9 @@ whose failure report (some 40 lines) follows the trainer's own last words."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-PATH = REPO / "collections/ansible_collections/dflash/ct200/plugins/module_utils/trainer_proc.py"
-spec = importlib.util.spec_from_file_location("trainer_proc", PATH)
-trainer_proc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(trainer_proc)
+from ansible_collections.dflash.ct200.plugins.module_utils import trainer_proc
 
 
 def torchrun_report(exitcode: int) -> list[str]:

@@ -1,0 +1,287 @@
+"""The run's truth on the target: the output lock and the run record (no torch, standard library only).
+
+One trainer per output directory, provably: starting a run takes an exclusive ``flock`` on
+``<parent>/.<name>.lock``, a sibling of the output directory ``<parent>/<name>`` (a sibling, so
+that moving the output aside for a fresh start happens under the same lock). The lock's file
+description is inherited across ``exec``, so it is held exactly as long as the process that took
+it lives: ``python -m trainer.launch`` execs the trainer or torchrun, which keeps it. A second start
+on the same output fails at once, naming the PID that holds it (the lock file holds that PID; the
+kernel's ``/proc/locks`` tells whether the lock is held without taking it).
+
+The run record is ``<out>/run.json``, written atomically (temporary file, fsync, rename) by
+``trainer.launch`` before it execs, so it exists before anything is reported to the controller:
+
+    {"format": 1, "run": "nographs", "run_id": "nographs-20261130T101500Z-4242", "pid": 4242,
+     "start_time": 123456, "boot_id": "...", "host": "ct200", "out": "...", "log": "...",
+     "started_at": "2026-11-30T10:15:00Z", "steps": 300, "resume": false, "cmdline": [...],
+     "state": "running", "restarts": []}
+
+The process that ends the run adds ``state`` (finished, stopped, failed: bad input, crashed),
+``exit_status``, ``exit_reason``, ``ended_at``, ``last_step`` and ``last_checkpoint``. A record
+still saying ``running`` whose PID is gone (or is another process) was killed. ``pid`` is always the
+process that holds the lock (the one to signal); a process that supervises restarts may be that PID
+and append to ``restarts`` with :func:`update_record`.
+
+The Ansible modules read the same format through ``dflash.ct200.plugins.module_utils.run_record``,
+an identical copy of this file (modules run on the target without the trainer package, and a
+collection cannot link outside itself); tests/trainer/test_runrecord.py keeps the two identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+RECORD_NAME = "run.json"
+RECORD_FORMAT = 1
+CHECKPOINT_NAME_RE = re.compile(r"^step_(\d{8})\.pt$")
+TEMP_CHECKPOINT_RE = re.compile(r"^\.step_\d{8}\.pt\.\d+\.tmp$")
+# The environment variable through which a starter hands its locked file descriptor to
+# trainer.launch (it then keeps that lock instead of taking its own).
+LOCK_FD_ENV = "DFLASH_OUT_LOCK_FD"
+
+
+class OutputBusy(Exception):
+    """Another live process holds the output's lock."""
+
+    def __init__(self, out: Path, pid: int | None, record: dict | None):
+        self.out, self.pid, self.record = out, pid, record
+        who = f"PID {pid}" if pid else "another process"
+        what = ""
+        if record and record.get("pid") == pid:
+            what = f" (run {record.get('run')}, {record.get('run_id')}, started {record.get('started_at')})"
+        super().__init__(
+            f"output {out} is in use by {who}{what}: one trainer per output. Stop that run first "
+            "(./dev.sh stop), or watch it (./dev.sh status)"
+        )
+
+
+def lock_path(out: Path | str) -> Path:
+    out = Path(out)
+    return out.parent / f".{out.name}.lock"
+
+
+def record_path(out: Path | str) -> Path:
+    return Path(out) / RECORD_NAME
+
+
+def boot_id() -> str:
+    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+        return handle.read().strip()
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (clock ticks since boot), or None where the process is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def read_record(out: Path | str) -> dict | None:
+    """The run record of an output, or None where there is none (or it cannot be parsed: a record
+    is only ever replaced whole, so an unreadable one was not written by us)."""
+    try:
+        data = json.loads(record_path(out).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_record(out: Path | str, record: dict) -> Path:
+    """Write the record atomically: temporary file in the same directory, fsync, rename."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    final = record_path(out)
+    tmp = out / f".{RECORD_NAME}.{os.getpid()}.tmp"
+    try:
+        with tmp.open("w", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, final)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    _fsync_dir(out)
+    return final
+
+
+def update_record(out: Path | str, run_id: str | None = None, **fields) -> dict | None:
+    """Merge fields into the record (of `run_id` when given); None where there is no such record."""
+    record = read_record(out)
+    if record is None or (run_id is not None and record.get("run_id") != run_id):
+        return None
+    record.update(fields)
+    write_record(out, record)
+    return record
+
+
+def _locks_on(path: Path) -> list[int] | None:
+    """PIDs the kernel lists as holding a lock on `path` (/proc/locks), or None where unreadable."""
+    try:
+        info = path.stat()
+        lines = Path("/proc/locks").read_text(encoding="ascii", errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    except OSError:
+        return None
+    key = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    exact, same_inode = [], []
+    for line in lines:
+        parts = line.split()
+        if "->" in parts or len(parts) < 6 or not parts[4].isdigit():
+            continue  # a waiter, not a holder
+        if parts[5] == key:
+            exact.append(int(parts[4]))
+        elif parts[5].rsplit(":", 1)[-1] == str(info.st_ino):
+            # overlayfs and btrfs subvolumes: stat's device is not the one the kernel lists.
+            same_inode.append(int(parts[4]))
+    return exact or same_inode
+
+
+def lock_holder(out: Path | str) -> int | None:
+    """The PID holding the output's lock, without taking it; None where nobody holds it. The PID
+    written in the lock file wins (the kernel lists the process that took the lock, which may be a
+    starter that handed it on through exec or inheritance); 0 where held by an unknown process."""
+    path = lock_path(out)
+    holders = _locks_on(path)
+    if holders is None:
+        # No /proc/locks: probe with a shared lock for an instant.
+        try:
+            with path.open("r") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holders = [0]
+                else:
+                    holders = []
+        except OSError:
+            return None
+    if not holders:
+        return None
+    try:
+        written = int(path.read_text(encoding="ascii").strip() or 0)
+    except (OSError, ValueError):
+        written = 0
+    if written and proc_start_time(written) is not None:
+        return written
+    return next((pid for pid in holders if pid and proc_start_time(pid) is not None), 0)
+
+
+def acquire_lock(out: Path | str, inherited_fd: int | None = None) -> int:
+    """Take the output's exclusive lock (or keep the one a starter handed over in `inherited_fd`);
+    write this process's PID into the lock file; return the file descriptor, inheritable, to keep
+    open (across exec) for as long as the run lives. Raises OutputBusy, naming the holder."""
+    path = lock_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = None
+    if inherited_fd is not None:
+        try:
+            same = os.fstat(inherited_fd).st_ino == path.stat().st_ino
+        except OSError:
+            same = False
+        if same:
+            fd = inherited_fd
+    if fd is None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o640)
+    try:
+        # A no-op where the description already holds it (handed over by the starter).
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = lock_holder(out)
+        raise OutputBusy(Path(out), holder, read_record(out)) from None
+    write_lock_pid(fd, os.getpid())
+    os.set_inheritable(fd, True)
+    return fd
+
+
+def write_lock_pid(fd: int, pid: int) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{pid}\n".encode(), 0)
+
+
+def new_run_id(run: str, pid: int) -> str:
+    return f"{run}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{pid}"
+
+
+def move_aside(out: Path | str) -> Path | None:
+    """Move an earlier output out of the way (never delete): <out>.<UTC time>[-N]; None where absent."""
+    out = Path(out)
+    if not out.exists():
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    kept = out.with_name(f"{out.name}.{stamp}")
+    suffix = 1
+    while kept.exists():
+        kept = out.with_name(f"{out.name}.{stamp}-{suffix}")
+        suffix += 1
+    os.rename(out, kept)
+    return kept
+
+
+def checkpoints(out: Path | str) -> list[tuple[int, Path]]:
+    """Complete checkpoint files of an output (step, path), oldest first."""
+    directory = Path(out) / "checkpoints"
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return []
+    found = [(int(m.group(1)), p) for p in entries if (m := CHECKPOINT_NAME_RE.match(p.name)) and p.is_file()]
+    return sorted(found)
+
+
+def last_metrics(out: Path | str) -> dict:
+    """The latest train and eval rows of <out>/metrics.jsonl: {"train": row|None, "eval": row|None}."""
+    found: dict = {"train": None, "eval": None}
+    path = Path(out) / "metrics.jsonl"
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 256 * 1024))
+            lines = handle.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return found
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a row being written, or the cut first line
+        kind = row.get("kind") if isinstance(row, dict) else None
+        if kind in found and found[kind] is None:
+            found[kind] = row
+        if found["train"] and found["eval"]:
+            break
+    return found
+
+
+def note(out: Path | str, **fields) -> None:
+    """Add fields to the record of the run this process belongs to (the recorded PID is this
+    process, or its parent: torchrun for a rank); a record of another run is left alone. Never
+    fails the run: the record is a report, the checkpoints are the state."""
+    record = read_record(out)
+    if record is None or record.get("pid") not in (os.getpid(), os.getppid()):
+        return
+    record.update(fields)
+    with contextlib.suppress(OSError):
+        write_record(out, record)
