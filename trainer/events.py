@@ -213,10 +213,20 @@ class EventLog:
             for key in ("exit_status", "exit_reason", "ended_at"):
                 record.pop(key, None)
         elif event in ("crash", "failed") and row["exit_status"] is not None:
+            # The trainer's own verdict (noted in the record as it ended) is the better reason.
+            own = record.get("exit_reason") if record.get("state") in ("crashed", "failed") else None
+            if event == "failed" and row["exit_status"] == 2 and own:
+                return  # bad input, in the trainer's own words
+            if event == "crash":
+                reason, status = (
+                    own or row["reason"],
+                    record.get("exit_status", row["exit_status"]) if own else row["exit_status"],
+                )
+            else:
+                reason = row["reason"] + (f" ({own})" if own and own not in row["reason"] else "")
+                status = row["exit_status"]
             state = "failed" if event == "failed" else "crashed"
-            record.update(
-                state=state, exit_status=row["exit_status"], exit_reason=row["reason"], ended_at=row["time"]
-            )
+            record.update(state=state, exit_status=status, exit_reason=reason, ended_at=row["time"])
         elif event == "stop" and record.get("state") == "crashed":
             record.update(state="stopped", exit_reason=row["text"].split(": ", 1)[-1], ended_at=row["time"])
         else:

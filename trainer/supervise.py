@@ -7,7 +7,8 @@ stop.yml signals) is this supervisor's. It runs the trainer as its child and:
   restarts;
 - on a crash (exit status 1, or killed by a signal it did not forward) starts it again with
   `--resume` (from the newest valid checkpoint) after --backoff-s seconds, at most --max-restarts
-  times; a further crash ends the run `failed`, exit status 1, with the reason;
+  times; a further crash ends the run `failed`, exit status 1, with the reason (with
+  --max-restarts 0 the crash itself ends it: `crashed`);
 - never restarts bad input (exit status 2) or a run that finished or stopped (exit status 0), and
   exits with the trainer's own status.
 Each of these is a line of <out>/events.jsonl (trainer/events.py) and a notice where one is set up.
@@ -149,6 +150,9 @@ class Supervisor:
             self.events.record(
                 "crash", f"crashed ({reason})", exit_status=status, reason=reason, restarts=crashes - 1
             )
+            if self.max_restarts == 0:
+                print(f"supervise: the trainer {reason}; not restarted (recover_max_restarts=0)", flush=True)
+                return 1
             if crashes > self.max_restarts:
                 why = (
                     f"crashed {crashes} time(s), more than recover_max_restarts={self.max_restarts} allows; "

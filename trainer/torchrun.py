@@ -171,7 +171,7 @@ def decide_restarts(events, stopping: list[int], backoff_s: float) -> None:
                 reason=what,
                 restarts=crashes,
             )
-        else:
+        elif max_restarts > 0:  # with none allowed, the crash itself is how the run ended
             why = f"crashed {crashes} time(s), more than recover_max_restarts={max_restarts} allows"
             why += f"; last: {what}"
             events.record("failed", why, exit_status=1, reason=why, restarts=crashes - 1)
@@ -246,11 +246,11 @@ def main() -> None:
 
 
 def events_end(events) -> dict | None:
-    """The run's last event when it is an ending one (failed), else None."""
+    """The run's last event when it already says how the run ended (failed, crash), else None."""
     from .events import read_events
 
     recorded = read_events(events.out_dir)
-    return recorded[-1] if recorded and recorded[-1]["event"] == "failed" else None
+    return recorded[-1] if recorded and recorded[-1]["event"] in ("failed", "crash") else None
 
 
 if __name__ == "__main__":
