@@ -1,3 +1,5 @@
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Action: show a run's log, and with follow=true keep showing new lines until the trainer exits.
 
 A module cannot stream its output, so following is a loop of bounded module runs here on the

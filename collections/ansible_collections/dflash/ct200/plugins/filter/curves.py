@@ -1,3 +1,5 @@
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Filters: text sparklines of a run's curves, for status.yml."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Filters: the history of runs (the controller's ledger reconciled with what the targets hold),
 as rows and as a one-screen table, and the runs a report draws."""
 

@@ -1,4 +1,6 @@
 #!/usr/bin/python
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Read what the target holds about its runs: events, metrics and the configured step count."""
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ options:
     elements: dict
     default: []
 author:
-  - DFlash CT 200 team
+  - DFlash CT 200 team (!UNKNOWN)
 """
 
 EXAMPLES = r"""

@@ -1,4 +1,6 @@
 #!/usr/bin/python
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Read a run's log from an offset: one bounded read, optionally waiting a little for new lines."""
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ options:
     description: The run's events.jsonl.
     type: path
 author:
-  - DFlash CT 200 team
+  - DFlash CT 200 team (!UNKNOWN)
 """
 
 EXAMPLES = r"""

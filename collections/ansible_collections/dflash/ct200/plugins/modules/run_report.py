@@ -1,4 +1,6 @@
 #!/usr/bin/python
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Render the curves of one or more runs into one PNG (on the controller, with matplotlib)."""
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ options:
 requirements:
   - matplotlib (pinned in requirements.txt)
 author:
-  - DFlash CT 200 team
+  - DFlash CT 200 team (!UNKNOWN)
 """
 
 EXAMPLES = r"""
