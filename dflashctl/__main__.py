@@ -1,4 +1,7 @@
 """python -m dflashctl {launch RUN | status | stop | export} [--by-host]: print the result as JSON.
+python -m dflashctl logs [--lines N] [--follow]: print the recorded run's log (and follow it).
+python -m dflashctl runs [--run NAME] [--json]: the history of runs, a table (or JSON rows).
+python -m dflashctl report RUN [RUN ...]: render their curves into one PNG, print its path.
 
 `launch RUN [--resume | --fresh]`: continue the run's output, or start over (the earlier output
 is moved aside, never deleted).
@@ -40,10 +43,38 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument(
         "--dest", help="where to put it on the controller (default: <state>/exports/<run_id>)"
     )
+    logs = sub.add_parser("logs", help="print the recorded run's log (playbooks/logs.yml)")
+    logs.add_argument("--lines", type=int, default=20, help="how many of the last lines (default 20)")
+    logs.add_argument("--follow", action="store_true", help="then every new line until the trainer exits")
+    runs = sub.add_parser("runs", help="the history of runs (playbooks/runs.yml)")
+    runs.add_argument("--run", help="only this run's launches")
+    runs.add_argument("--json", action="store_true", help="the rows as JSON instead of a table")
+    report = sub.add_parser("report", help="one PNG of the runs' curves (playbooks/report.yml)")
+    report.add_argument("runs", nargs="+", help="run names")
     args = parser.parse_args(argv)
     controller = Controller(Settings(inventory=args.inventory, state_dir=args.state_dir, limit=args.limit))
     try:
-        if args.command == "launch":
+        if args.command == "logs":
+            try:
+                for line in controller.logs(lines=args.lines, follow=args.follow):
+                    print(line, flush=True)
+            except KeyboardInterrupt:
+                print(
+                    "interrupted; the run itself is not affected (python -m dflashctl status)",
+                    file=sys.stderr,
+                )
+                return 130
+            return 0
+        if args.command == "runs" and not args.json:
+            print("\n".join(controller.runs_table(run=args.run)))
+            return 0
+        if args.command == "runs":
+            result = controller.runs(run=args.run)
+        elif args.command == "report":
+            result = controller.report(args.runs)
+            print(result["path"])
+            return 0
+        elif args.command == "launch":
             extravars = {key: True for key in ("resume", "fresh") if getattr(args, key)}
             launch_run = controller.launch_by_host if args.by_host else controller.launch
             result = launch_run(args.run, **extravars)
@@ -56,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     except PlaybookFailed as failure:
         print(failure, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
     print(json.dumps(result, indent=2, sort_keys=True))
     return 0
 

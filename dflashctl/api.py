@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from queue import Queue
 from typing import Any
 
 import ansible_runner
@@ -153,8 +155,72 @@ class Controller:
         chosen = {key: value for key, value in chosen.items() if value is not None}
         return self.run_playbook("export.yml", {**chosen, **extravars}).stats["dflash_export"]
 
-    def run_playbook(self, playbook: str, extravars: Mapping[str, Any]) -> PlaybookResult:
-        """Run one playbook of playbooks/ and return its result; raise PlaybookFailed on failure."""
+    def runs(self, run: str | None = None, **extravars: Any) -> list[dict[str, Any]]:
+        """Run runs.yml; return every launch, newest first: run, run_id, host, state (running,
+        finished, stopped, failed, crashed, recovered), started, duration_s, step, total_steps,
+        last_loss, best_tau, last_tau, tokens_per_s, restarts, exit_reason, in_ledger."""
+        if run is not None:
+            extravars = {"run": run, **extravars}
+        return self.run_playbook("runs.yml", extravars).stats["dflash_runs"]
+
+    def runs_table(self, run: str | None = None, **extravars: Any) -> list[str]:
+        """Run runs.yml; return its table, one line per launch (what ansible-playbook prints)."""
+        if run is not None:
+            extravars = {"run": run, **extravars}
+        return self.run_playbook("runs.yml", extravars).stats["dflash_summary"]
+
+    def report(self, runs: list[str], **extravars: Any) -> dict[str, Any]:
+        """Run report.yml for these runs; return {path, size, runs}: the PNG on the controller."""
+        if isinstance(runs, str) or not runs:
+            raise TypeError("runs is a list of run names, e.g. ['nographs', 'eager']")
+        return self.run_playbook("report.yml", {"runs": ",".join(runs), **extravars}).stats["dflash_report"]
+
+    def logs(self, lines: int = 20, follow: bool = False, **extravars: Any) -> Iterator[str]:
+        """Run logs.yml and yield the log's lines as they come: the last ``lines`` lines, then with
+        ``follow`` every new line until the trainer exits. The last line says how the run stands
+        (``<host>: <run> ended: finished at step 150, tau 1.947``). Raises PlaybookFailed when
+        logs.yml fails (no run recorded, bad options). Closing the generator early ends the
+        playbook."""
+        if not isinstance(lines, int) or isinstance(lines, bool) or lines < 0:
+            raise ValueError(f"lines must be a whole number, got {lines!r}")
+        queue: Queue[str | None] = Queue()
+
+        in_log_task = threading.Event()
+
+        def on_event(event: dict) -> bool:
+            # The run_log action displays each log line on its own: `verbose` events of the runner
+            # while its task runs (the other tasks and the summary after the recap are not the log).
+            kind = event.get("event")
+            if kind in ("playbook_on_task_start", "playbook_on_stats"):
+                action = (event.get("event_data") or {}).get("task_action") or ""
+                in_log_task.set() if action.endswith("run_log") else in_log_task.clear()
+            elif kind == "verbose" and in_log_task.is_set():
+                for line in (event.get("stdout") or "").splitlines():
+                    if not line.startswith(("[WARNING]", "[DEPRECATION WARNING]", "[ERROR]")):
+                        queue.put(line)
+            return True
+
+        def finished(_runner: Any) -> None:
+            queue.put(None)
+
+        abandoned = threading.Event()
+        options = self.runner_options("logs.yml", {"lines": lines, "follow": bool(follow), **extravars})
+        thread, runner = ansible_runner.run_async(
+            **options, event_handler=on_event, finished_callback=finished, cancel_callback=abandoned.is_set
+        )
+        try:
+            while (line := queue.get()) is not None:
+                yield line
+        finally:
+            abandoned.set()  # the consumer stopped reading early: the runner ends the playbook
+            thread.join(timeout=60)
+        result = read_events("logs.yml", runner)
+        scrub_command_artifact(Path(runner.config.artifact_dir))
+        if not result.ok:
+            raise PlaybookFailed(result)
+        yield from result.stats.get("dflash_summary") or []
+
+    def runner_options(self, playbook: str, extravars: Mapping[str, Any]) -> dict[str, Any]:
         settings = self.settings
         state = settings.state_dir
         private = state / "runner"
@@ -165,7 +231,7 @@ class Controller:
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
             **settings.envvars,
         }
-        runner = ansible_runner.run(
+        return dict(
             private_data_dir=str(private),
             project_dir=str(settings.repo),
             playbook=str(settings.repo / "playbooks" / playbook),
@@ -181,6 +247,10 @@ class Controller:
             limit=settings.limit,
             quiet=True,
         )
+
+    def run_playbook(self, playbook: str, extravars: Mapping[str, Any]) -> PlaybookResult:
+        """Run one playbook of playbooks/ and return its result; raise PlaybookFailed on failure."""
+        runner = ansible_runner.run(**self.runner_options(playbook, extravars))
         result = read_events(playbook, runner)
         scrub_command_artifact(Path(runner.config.artifact_dir))
         if not result.ok:
@@ -192,9 +262,30 @@ class Controller:
 SAFE_ENV = {"PATH", "HOME", "LANG", "PWD", "ANSIBLE_CONFIG", "PYTHONUNBUFFERED"}
 
 
+# Extra variables whose values are secrets (a notice URL may carry credentials).
+SECRET_EXTRAVARS = ("notify_url",)
+
+
+def redact_extravars(argument: str) -> str:
+    """An `-e '{json}'` argument of the runner's command with the secret variables' values redacted."""
+    if not argument.startswith("{"):
+        return argument
+    try:
+        extravars = json.loads(argument)
+    except ValueError:
+        return argument
+    if not isinstance(extravars, dict):
+        return argument
+    for key in SECRET_EXTRAVARS:
+        if key in extravars:
+            extravars[key] = "<redacted>"
+    return json.dumps(extravars)
+
+
 def scrub_command_artifact(artifact_dir: Path) -> None:
-    """ansible-runner writes the whole environment into <artifact_dir>/command, even with
-    suppress_env_files=True: keep the variable names, drop the values (tokens live there)."""
+    """ansible-runner writes the whole environment and the extra variables into
+    <artifact_dir>/command, even with suppress_env_files=True: keep the variable names, drop the
+    values of the environment (tokens live there) and of secret extra variables (notify_url)."""
     path = artifact_dir / "command"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -202,6 +293,7 @@ def scrub_command_artifact(artifact_dir: Path) -> None:
         return
     env = data.get("env") or {}
     data["env"] = {key: (value if key in SAFE_ENV else "<redacted>") for key, value in env.items()}
+    data["command"] = [redact_extravars(part) for part in data.get("command") or []]
     path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
 
 

@@ -42,6 +42,8 @@ def fail(problems: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        args.resume = True  # torchrun restarted the ranks after a crash (--max-restarts): resume
     from .environment import check_machine  # imports torch: after argparse so --help stays quick
 
     out_dir = Path(args.out or f"runs/{args.run}").expanduser().absolute()

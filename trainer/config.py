@@ -265,6 +265,18 @@ class ParallelConfig:
 
 
 @dataclass
+class LogConfig:
+    """What the run writes beside train.log and metrics.jsonl."""
+
+    tensorboard: bool = False
+    """Also write TensorBoard event files under <out>/tensorboard (needs the tensorboard package),
+    so that `tensorboard --logdir <out>/tensorboard` shows loss, lr, tokens/s and tau."""
+
+    def problems(self) -> list[str]:
+        return []
+
+
+@dataclass
 class Config:
     """The resolved configuration of one run."""
 
@@ -275,6 +287,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     @property
     def log_name(self) -> str:
@@ -308,7 +321,7 @@ def compile_guard(run: RunConfig, compile_cfg: CompileConfig) -> list[str]:
 
 # Which sections each layer may set: a profile is the experiment, a machine config the machine.
 PROFILE_SECTIONS = ("run", "compile", "train", "drafter")
-MACHINE_SECTIONS = ("model", "data", "parallel")
+MACHINE_SECTIONS = ("model", "data", "parallel", "log")
 SECTION_TYPES = {f.name: f.type for f in dataclasses.fields(Config)}
 
 

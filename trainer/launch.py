@@ -1,6 +1,8 @@
 """Start a run the way its profile says: `python -m trainer.launch [TORCHRUN OPTIONS] -- TRAINER ARGS`.
 
-run.topology threaded: exec `python -m trainer TRAINER ARGS`. run.topology process: exec torchrun
+run.topology threaded: exec `python -m trainer.supervise ... -m trainer -- TRAINER ARGS`, which
+runs the trainer as its child and restarts it after a crash (--max-restarts, trainer/supervise.py).
+run.topology process: exec torchrun
 (`python -m trainer.torchrun`: torch.distributed.run, the `torchrun` script's program, with SIGTERM
 handled so that a clean stop exits 0) with one process per device of this host: its GPUs
 (parallel.devices), or parallel.cpu_workers on CPU. One host:
@@ -43,6 +45,7 @@ from pathlib import Path
 from . import runrecord
 from .cli import fail
 from .cli import parse_args as parse_trainer_args
+from .events import RUN_ID_ENV
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -60,6 +63,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--rdzv-id", default="", help="a run id every host of the run shares (nnodes > 1)")
     parser.add_argument("--nproc-per-node", type=int, default=0, help="processes on this host (0: auto)")
+    parser.add_argument(
+        "--max-restarts", type=int, default=0, help="restarts with --resume after a crash (default 0)"
+    )
+    parser.add_argument("--restart-backoff-s", type=float, default=10.0, help="wait before a restart")
     parser.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
     return parser.parse_args(argv[:split]), argv[split + 1 :]
 
@@ -96,7 +103,19 @@ def endpoint_problem(endpoint: str) -> str | None:
 
 def command(launch: argparse.Namespace, trainer_argv: list[str], cfg) -> list[str]:
     if cfg.run.topology == "threaded":
-        return [sys.executable, "-m", "trainer", *trainer_argv]
+        # The supervisor (trainer/supervise.py) runs the trainer as its child: it records how the
+        # run goes in <out>/events.jsonl, sends the notices and restarts a crashed trainer.
+        supervise = [
+            sys.executable,
+            "-m",
+            "trainer.supervise",
+            f"--max-restarts={launch.max_restarts}",
+            f"--backoff-s={launch.restart_backoff_s:g}",
+            "-m",
+            "trainer",
+            "--",
+        ]
+        return [*supervise, *trainer_argv]
     nproc = launch.nproc_per_node or workers_on_this_host(cfg)
     torchrun = [sys.executable, "-m", "trainer.torchrun"]
     if launch.nnodes == 1:
@@ -112,7 +131,8 @@ def command(launch: argparse.Namespace, trainer_argv: list[str], cfg) -> list[st
         ]
     torchrun += [
         f"--nproc-per-node={nproc}",
-        "--max-restarts=0",
+        f"--max-restarts={launch.max_restarts}",
+        f"--restart-backoff-s={launch.restart_backoff_s:g}",
         f"--shutdown-timeout={cfg.parallel.shutdown_timeout_s}",
         "-m",
         "trainer",
@@ -130,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         problems.append("--nnodes > 1 needs --rdzv-endpoint HOST:PORT and --rdzv-id (the same on every host)")
     elif launch.nnodes > 1 and (problem := endpoint_problem(launch.rdzv_endpoint)):
         problems.append(problem)
+    if launch.max_restarts < 0:
+        problems.append(f"--max-restarts (recover_max_restarts) must not be negative: {launch.max_restarts}")
+    if launch.restart_backoff_s < 0:
+        problems.append(f"--restart-backoff-s must not be negative, got {launch.restart_backoff_s}")
     if launch.nproc_per_node < 0:
         problems.append(f"--nproc-per-node must not be negative, got {launch.nproc_per_node}")
     args = parse_trainer_args(trainer_argv)
@@ -148,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.check:
         out = Path(args.out or f"runs/{args.run}").expanduser().absolute()
         try:
-            take_output(out, cfg, args, cmd)
+            record = take_output(out, cfg, args, cmd)
+            # The events and notices of the run carry the record's own run id (trainer/events.py).
+            os.environ[RUN_ID_ENV] = record["run_id"]
         except runrecord.OutputBusy as exc:
             return fail([str(exc)])
         except OSError as exc:

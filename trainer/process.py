@@ -94,7 +94,21 @@ class ProcessWorld:
             self.device = torch.device("cpu")
             self.backend = "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        if launched_by_torchrun():
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if launched_by_torchrun() and restart > 0:
+            # torchrun restarted the ranks (--max-restarts): its store still holds the previous
+            # attempt's keys (the ranks' old addresses), which a new process group would read and
+            # fail to connect to. A prefix per attempt keeps each attempt's keys apart.
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(f"dflash/attempt_{restart}", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+                device_id=self.device if self.device.type == "cuda" else None,
+            )
+        elif launched_by_torchrun():
             dist.init_process_group(
                 self.backend,
                 timeout=timeout,

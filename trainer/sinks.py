@@ -42,10 +42,12 @@ class ConsoleOutput(SilentOutput):
 
 
 class FileOutput(ConsoleOutput):
-    """Lines to stdout and <out>/train.log, flushed line by line; rows of <out>/metrics.jsonl."""
+    """Lines to stdout and <out>/train.log, flushed line by line; rows of <out>/metrics.jsonl, and
+    with tensorboard the same scalars as TensorBoard event files under <out>/tensorboard."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, tensorboard: bool = False):
         super().__init__()
+        self.board = open_board(out_dir / "tensorboard") if tensorboard else None
         self.log_file: TextIO = (out_dir / "train.log").open("a")
         self.metrics: TextIO = (out_dir / "metrics.jsonl").open("a")
 
@@ -58,10 +60,31 @@ class FileOutput(ConsoleOutput):
     def metric(self, row: dict[str, Any]) -> None:
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
+        if self.board is not None:
+            for key, value in row.items():
+                if key not in ("kind", "step") and isinstance(value, (int, float)):
+                    self.board.add_scalar(f"{row['kind']}/{key}", value, row["step"])
+            self.board.flush()
 
     def close(self) -> None:
         self.log_file.close()
         self.metrics.close()
+        if self.board is not None:
+            self.board.close()
+
+
+def open_board(directory: Path):
+    """A TensorBoard writer (log.tensorboard: true), or bad input where the package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from .resume import BadInput
+
+        raise BadInput(
+            "log.tensorboard is true but the tensorboard package is missing: install it "
+            "(pip install tensorboard==2.21.0) or set log.tensorboard: false"
+        ) from None
+    return SummaryWriter(str(directory))
 
 
 Output = SilentOutput | ConsoleOutput | FileOutput
@@ -72,5 +95,5 @@ def open_output(cfg: Config, out_dir: Path, writes_files: bool, prints_lines: bo
     if writes_files:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yml").write_text(dump_config(cfg))
-        return FileOutput(out_dir)
+        return FileOutput(out_dir, cfg.log.tensorboard)
     return ConsoleOutput() if prints_lines else SilentOutput()

@@ -11,6 +11,14 @@ alive --shutdown-timeout seconds after the first signal are killed, as torchrun 
 that comes while no rank runs (a multi-host rendezvous still waiting for its hosts, or the exit
 barrier waiting for the other hosts after this host's ranks finished) ends torchrun at once:
 there is nothing to checkpoint.
+
+Recovery: torchrun's own --max-restarts restarts every rank of this host after a rank crashed
+(the ranks see TORCHELASTIC_RESTART_COUNT > 0 and resume from the newest checkpoint, see
+trainer/cli.py), after --restart-backoff-s seconds (an option of this wrapper, not torchrun's).
+Stock torchrun restarts after any failure; here a failure never restarts when it is bad input
+(a rank exited 2) or comes after our stop signal (a rank killed at the end of the grace), so a
+stop is for good. Node rank 0 records start, crash, restart, finish, stop and failed in
+<out>/events.jsonl and sends the notices (trainer/events.py).
 """
 
 from __future__ import annotations
@@ -89,9 +97,95 @@ def watch_signals(signals: tuple[signal.Signals, ...], act: Callable[[int], None
     threading.Thread(target=watch, name="signal-watch", daemon=True).start()
 
 
+def option_value(argv: list[str], option: str, default: str) -> str:
+    for i, arg in enumerate(argv):
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+        if arg == option and i + 1 < len(argv):
+            return argv[i + 1]
+    return default
+
+
+def run_events(argv: list[str]):
+    """The event log of this run on node rank 0 (where the run's output is), else None."""
+    if int(option_value(argv, "--node-rank", "0")) != 0 or "--" not in argv:
+        return None
+    from .cli import parse_args as parse_trainer_args
+    from .events import EventLog
+
+    trainer_args = parse_trainer_args(argv[argv.index("--") + 1 :])
+    out_dir = Path(trainer_args.out or f"runs/{trainer_args.run}").expanduser().absolute()
+    return EventLog(out_dir, trainer_args.run)
+
+
+def failed_ranks(run_result) -> str:
+    """`rank 1 killed by SIGKILL, rank 0 exit status 1`: the failed ranks of torchrun's RunResult,
+    ranks killed by a signal first (the others usually failed because that one vanished)."""
+    from .events import describe_status
+
+    failures = sorted(run_result.failures.items(), key=lambda item: (item[1].exitcode >= 0, item[0]))
+    return ", ".join(f"rank {rank} {describe_status(f.exitcode)}" for rank, f in failures) or "a rank failed"
+
+
+def decide_restarts(events, stopping: list[int], backoff_s: float) -> None:
+    """Wrap torchrun's monitor so that a failure is recorded, and restarted only when it may be."""
+    import time
+
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers  # the agent torchrun runs
+
+    def monitored(agent, worker_group):
+        result = monitor(agent, worker_group)
+        if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            return result
+        max_restarts = worker_group.spec.max_restarts
+        crashes = max_restarts - agent._remaining_restarts + 1
+        what = failed_ranks(result)
+        bad_input = any(failure.exitcode == 2 for failure in result.failures.values())
+        if stopping or bad_input:
+            agent._remaining_restarts = 0  # a stop is for good; bad input fails the same way again
+        if events is None or stopping:
+            return result
+        if bad_input:
+            events.record(
+                "failed",
+                f"bad input ({what})",
+                exit_status=2,
+                reason=f"bad input: {what}",
+                restarts=crashes - 1,
+            )
+            return result
+        events.record("crash", f"crashed ({what})", exit_status=1, reason=what, restarts=crashes - 1)
+        if agent._remaining_restarts > 0:
+            print(
+                f"torchrun: {what}; restart {crashes}/{max_restarts} with --resume in {backoff_s:g}s",
+                flush=True,
+            )
+            time.sleep(backoff_s)
+            events.record(
+                "restart",
+                f"restart {crashes}/{max_restarts} with --resume after {what}",
+                exit_status=1,
+                reason=what,
+                restarts=crashes,
+            )
+        elif max_restarts > 0:  # with none allowed, the crash itself is how the run ended
+            why = f"crashed {crashes} time(s), more than recover_max_restarts={max_restarts} allows"
+            why += f"; last: {what}"
+            events.record("failed", why, exit_status=1, reason=why, restarts=crashes - 1)
+        return result
+
+    LocalElasticAgent._monitor_workers = monitored
+
+
 def main() -> None:
     argv = sys.argv[1:]
     grace = shutdown_timeout(argv)
+    backoff_s = float(option_value(argv, "--restart-backoff-s", "10"))
+    argv = without_option(argv, "--restart-backoff-s")
+    events = run_events(argv)
     first: list[int] = []
 
     def forward(signum: int) -> None:
@@ -101,6 +195,8 @@ def main() -> None:
             # that never came), or all done (then torchrun may wait for the other hosts in its exit
             # barrier). Nothing to checkpoint, nobody to forward to: end now, not at a timeout.
             print(f"torchrun: {name} while no rank runs (rendezvous or exit barrier): exiting", flush=True)
+            if events is not None:
+                events.record("stop", f"stopped by {name} while no rank ran", exit_status=128 + signum)
             os._exit(128 + signum)
         send_to_children(signum)
         if not first:
@@ -120,7 +216,41 @@ def main() -> None:
     if "--shutdown-timeout" not in get_args_parser()._option_string_actions:
         # Older torchrun (torch 2.11 has none) refuses the option; the timer above keeps the grace.
         argv = without_option(argv, "--shutdown-timeout")
-    torchrun_main([f"--signals-to-handle={os.environ['TORCHELASTIC_SIGNALS_TO_HANDLE']}", *argv])
+    decide_restarts(events, first, backoff_s)
+    if events is not None:
+        events.record("start", "started under torchrun")
+    try:
+        torchrun_main([f"--signals-to-handle={os.environ['TORCHELASTIC_SIGNALS_TO_HANDLE']}", *argv])
+    except BaseException as exc:
+        if events is not None and first:
+            events.record(
+                "stop",
+                f"stopped by {signal.Signals(first[0]).name}, a rank failed on its way out",
+                exit_status=1,
+            )
+        elif events is not None and not isinstance(exc, KeyboardInterrupt):
+            ended = events_end(events)
+            if ended is None:
+                events.record(
+                    "failed",
+                    f"torchrun ended: {type(exc).__name__}",
+                    exit_status=1,
+                    reason=type(exc).__name__,
+                )
+        raise
+    if events is not None:
+        if first:
+            events.record("stop", f"stopped by {signal.Signals(first[0]).name}", exit_status=0)
+        else:
+            events.record("finish", "finished", exit_status=0)
+
+
+def events_end(events) -> dict | None:
+    """The run's last event when it already says how the run ended (failed, crash), else None."""
+    from .events import read_events
+
+    recorded = read_events(events.out_dir)
+    return recorded[-1] if recorded and recorded[-1]["event"] in ("failed", "crash") else None
 
 
 if __name__ == "__main__":

@@ -328,7 +328,11 @@ def test_sigterm_while_the_rendezvous_waits_ends_torchrun_at_once(tmp_path):
     assert code == 128 + signal.SIGTERM, log.read_text()
     assert took < 10, f"torchrun took {took:.0f}s to end after SIGTERM"
     assert "torchrun: SIGTERM while no rank runs (rendezvous or exit barrier): exiting" in log.read_text()
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["run.json"], "only the run record"
+    # Nothing ran: the output holds only the run record and the run's events, which say so.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["events.jsonl", "run.json"]
+    from trainer.events import read_events
+
+    assert [e["event"] for e in read_events(tmp_path / "out")] == ["start", "stop"]
 
 
 def run_trainer_process(*args: str, log: Path) -> int:
@@ -392,7 +396,10 @@ def test_launch_command_per_topology(tmp_path):
         "--rdzv-conf=timeout=600 " in nodes
     )
     threaded = dry("--", "--run", "nographs")
-    assert "-m trainer --run nographs" in threaded and "torch.distributed" not in threaded
+    assert "-m trainer.supervise --max-restarts=0 --backoff-s=10 -m trainer -- --run nographs" in threaded
+    assert "torch.distributed" not in threaded
+    recovering = dry("--max-restarts=3", "--restart-backoff-s=2", "--", "--run", "process")
+    assert "--max-restarts=3 --restart-backoff-s=2 " in recovering
 
 
 def test_graphs_profile_process_only(tmp_path):
@@ -419,3 +426,76 @@ def test_torchrun_wrapper_drops_an_option_older_torchrun_lacks():
         "x",
     ]
     assert without_option(argv, "--shutdown-timeout") == ["--standalone", "--nproc-per-node=2", "-m", "x"]
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_losses_continue_exactly(embedded, cache_dir, tmp_path):
+    """--max-restarts: torchrun's own restart, every rank resumes from rank 0's newest checkpoint."""
+    common = [
+        "--run",
+        "process",
+        *TINY,
+        "--steps=10",
+        f"--set=data.cache_dir={cache_dir}",
+        "--set=parallel.cpu_workers=2",
+        "--set=train.checkpoint_every=2",
+    ]
+    straight = launch(*common, "--out", str(tmp_path / "straight"), log=tmp_path / "straight.log")
+    try:
+        assert straight.wait(timeout=240) == 0, (tmp_path / "straight.log").read_text()[-3000:]
+    finally:
+        end(straight)
+
+    out, log = tmp_path / "recovered", tmp_path / "recovered.log"
+    proc = launch(
+        *common, "--out", str(out), log=log, options=("--max-restarts=2", "--restart-backoff-s=0.2")
+    )
+    try:
+        wait_for(lambda: "checkpoint saved step 2 " in log.read_text(), 180, "the first checkpoint", proc)
+        os.kill(ranks_of(proc.pid)[1], signal.SIGKILL)
+        assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        end(proc)
+    text = log.read_text()
+    assert "restart 1/2 with --resume" in text and f"resumed from {out}/checkpoints" in text
+
+    def by_step(run: Path) -> dict[int, float]:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return {row["step"]: row["loss"] for row in rows if row["kind"] == "train"}
+
+    assert by_step(out) == by_step(tmp_path / "straight")
+    from trainer.events import read_events
+
+    events = read_events(out)
+    assert [e["event"] for e in events] == ["start", "crash", "restart", "finish"], events
+    assert events[1]["reason"].startswith("rank 1 killed by SIGKILL"), events[1]
+
+
+def test_torchrun_never_restarts_a_stop_or_bad_input(embedded, cache_dir, tmp_path):
+    """With restarts allowed: SIGTERM stops for good (every rank checkpoints, exit 0), and a rank
+    that exits 2 (bad input) fails the run at once instead of failing again max-restarts times."""
+    from trainer.events import read_events
+
+    common = [*TINY, f"--set=data.cache_dir={cache_dir}", "--set=parallel.cpu_workers=2"]
+    restarts = ("--max-restarts=3", "--restart-backoff-s=0.2")
+    out, log = tmp_path / "stopped", tmp_path / "stopped.log"
+    proc = launch("--run", "process", *common, "--steps=400", "--out", str(out), log=log, options=restarts)
+    try:
+        wait_for(lambda: "step 2/400" in log.read_text(), 180, "step 2", proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
+    finally:
+        end(proc)
+    assert log.read_text().count("run process: topology process") == 1
+    assert [e["event"] for e in read_events(out)] == ["start", "stop"]
+
+    out, log = tmp_path / "bad", tmp_path / "bad.log"
+    bad = ["--set=data.train_file=/nonexistent/chat.jsonl", "--set=model.target_path=/nonexistent/target"]
+    proc = launch("--run", "process", *common, *bad, "--out", str(out), log=log, options=restarts)
+    try:
+        assert proc.wait(timeout=180) != 0
+    finally:
+        end(proc)
+    events = read_events(out)
+    assert [e["event"] for e in events] == ["start", "failed"], events
+    assert events[-1]["exit_status"] == 2 and events[-1]["reason"].startswith("bad input: rank ")
+    assert "with --resume" not in log.read_text()

@@ -25,7 +25,7 @@ class ActionModule(ActionBase):
         path = os.path.abspath(os.path.expanduser(str(path)))
         record = ledger.plain(record)
         try:
-            changed = ledger.write(path, record, self._task.check_mode)
+            changed = ledger.write(path, record, self._task.check_mode, bool(args.get("update", False)))
         except ledger.LedgerError as exc:
             raise AnsibleActionFail(str(exc)) from None
         result.update(changed=changed, record=record, path=path)

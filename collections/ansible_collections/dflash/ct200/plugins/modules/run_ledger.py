@@ -24,6 +24,11 @@ options:
     description: The run record; needs C(run_id).
     type: dict
     required: true
+  update:
+    description: Only set the keys of O(record) in the existing line of its C(run_id) (under the
+      lock, so a concurrent change of other keys is kept); append nothing when there is none.
+    type: bool
+    default: false
 author:
   - DFlash CT 200 team (!UNKNOWN)
 """

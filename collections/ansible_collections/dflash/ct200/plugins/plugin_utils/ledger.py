@@ -16,8 +16,9 @@ class LedgerError(Exception):
     """The ledger could not be written; the message says where and why, and what still holds the run."""
 
 
-def merge(lines: list[str], record: dict) -> tuple[list[str], bool]:
-    """Replace the line of record's run_id (or append it); report whether anything changed."""
+def merge(lines: list[str], record: dict, update: bool = False) -> tuple[list[str], bool]:
+    """Replace the line of record's run_id (or append it); report whether anything changed.
+    With update, only the record's keys change in that line (and nothing is appended)."""
     encoded = json.dumps(record, sort_keys=True)
     out, found, changed = [], False, False
     for line in lines:
@@ -28,11 +29,12 @@ def merge(lines: list[str], record: dict) -> tuple[list[str], bool]:
             continue
         if isinstance(existing, dict) and existing.get("run_id") == record["run_id"]:
             found = True
-            changed = changed or existing != record
-            out.append(encoded)
+            merged = {**existing, **record} if update else record
+            changed = changed or existing != merged
+            out.append(json.dumps(merged, sort_keys=True) if update else encoded)
         else:
             out.append(line)
-    if not found:
+    if not found and not update:
         out.append(encoded)
         changed = True
     return out, changed
@@ -43,11 +45,12 @@ def plain(record: dict) -> dict:
     return json.loads(json.dumps(record, default=str))
 
 
-def write(path: str, record: dict, check_mode: bool = False) -> bool:
-    """Merge record into the ledger at path; return whether the ledger changed (or would, in check
-    mode). Raises LedgerError, naming the file and the reason, where it cannot be read or written."""
+def write(path: str, record: dict, check_mode: bool = False, update: bool = False) -> bool:
+    """Merge record into the ledger at path (with update: only its keys, into an existing line);
+    return whether the ledger changed (or would, in check mode). Raises LedgerError, naming the
+    file and the reason, where it cannot be read or written."""
     try:
-        return _write(path, record, check_mode)
+        return _write(path, record, check_mode, update)
     except OSError as exc:
         what = exc.strerror or str(exc)
         raise LedgerError(
@@ -56,7 +59,7 @@ def write(path: str, record: dict, check_mode: bool = False) -> bool:
         ) from None
 
 
-def _write(path: str, record: dict, check_mode: bool) -> bool:
+def _write(path: str, record: dict, check_mode: bool, update: bool) -> bool:
     os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
     with open(path + ".lock", "a", encoding="utf-8") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -65,7 +68,7 @@ def _write(path: str, record: dict, check_mode: bool) -> bool:
                 lines = [line.rstrip("\n") for line in handle if line.strip()]
         except FileNotFoundError:
             lines = []
-        merged, changed = merge(lines, record)
+        merged, changed = merge(lines, record, update)
         if changed and not check_mode:
             handle_fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".runs-")
             try:

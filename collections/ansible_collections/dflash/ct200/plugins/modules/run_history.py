@@ -1,0 +1,185 @@
+#!/usr/bin/python
+# Copyright: contributors to the DFlash CT 200 project
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Read what the target holds about its runs: events, metrics and the configured step count."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: run_history
+short_description: Read the structured outputs of DFlash runs on the target
+description:
+  - For each run output directory (O(outs), or every directory under O(root)), reads
+    C(events.jsonl) (start, crash, restart, finish, stop, failed), C(metrics.jsonl) (train and eval
+    rows) and C(config.yml) (the step count), and returns a summary per run - last step and total,
+    last loss, best and last tau, tokens per second, the events - and, with O(points), the loss,
+    tau and tokens/s series (evenly thinned to at most that many points).
+  - Changes nothing; a missing or half-written file is read as far as it goes.
+options:
+  outs:
+    description: Run output directories.
+    type: list
+    elements: path
+    default: []
+  root:
+    description: A directory whose subdirectories are run outputs (the workspace's C(runs)).
+    type: path
+  points:
+    description: Return the series with at most this many points each; 0 returns none.
+    type: int
+    default: 0
+  live:
+    description: Launches to probe (C(pid), C(start_time), C(boot_id), C(run)); RV(alive) says
+      for each PID whether that trainer still runs.
+    type: list
+    elements: dict
+    default: []
+author:
+  - DFlash CT 200 team (!UNKNOWN)
+"""
+
+EXAMPLES = r"""
+- name: Every run of the workspace
+  dflash.ct200.run_history:
+    root: /workspace/runs
+"""
+
+RETURN = r"""
+runs:
+  description: One entry per output directory that exists, in the order given (root - by name).
+  type: list
+  elements: dict
+  returned: always
+alive:
+  description: PID (as a string) to whether the launch of O(live), or of a start event, with
+    that PID still runs.
+  type: dict
+  returned: always
+"""
+
+import json
+import os
+import re
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import probe
+
+STEPS_RE = re.compile(r"^\s+steps:\s*(\d+)\s*$")
+MAX_EVENTS = 200
+
+
+def read_rows(path: str) -> list[dict]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line being written right now
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def total_steps(out: str) -> int | None:
+    """train.steps of <out>/config.yml (the trainer writes it at every start), without a YAML parser."""
+    try:
+        with open(os.path.join(out, "config.yml"), encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    section = None
+    for line in lines:
+        if line and not line[0].isspace():
+            section = line.rstrip(":").strip()
+        elif section == "train" and (match := STEPS_RE.match(line)):
+            return int(match.group(1))
+    return None
+
+
+def thin(rows: list, points: int) -> list:
+    if points <= 0 or len(rows) <= points:
+        return rows
+    stride = len(rows) / points
+    picked = [rows[int(i * stride)] for i in range(points)]
+    picked[-1] = rows[-1]
+    return picked
+
+
+def summarize(out: str, points: int) -> dict:
+    metrics = read_rows(os.path.join(out, "metrics.jsonl"))
+    # A resumed run repeats the steps after its checkpoint: the later row of a step wins.
+    train = {
+        row["step"]: row for row in metrics if row.get("kind") == "train" and isinstance(row.get("step"), int)
+    }
+    evals = {
+        row["step"]: row
+        for row in metrics
+        if row.get("kind") == "eval" and isinstance(row.get("tau"), (int, float))
+    }
+    train_rows = [train[step] for step in sorted(train)]
+    eval_rows = [evals[step] for step in sorted(evals)]
+    recent = [
+        row["tokens_per_s"] for row in train_rows[-5:] if isinstance(row.get("tokens_per_s"), (int, float))
+    ]
+    events = read_rows(os.path.join(out, "events.jsonl"))[-MAX_EVENTS:]
+    result = {
+        "out": out,
+        "name": os.path.basename(out.rstrip("/")),
+        "total_steps": total_steps(out),
+        "last_step": train_rows[-1]["step"] if train_rows else None,
+        "last_loss": train_rows[-1].get("loss") if train_rows else None,
+        "elapsed_s": train_rows[-1].get("elapsed_s") if train_rows else None,
+        "tokens_per_s": sum(recent) / len(recent) if recent else None,
+        "best_tau": max(row["tau"] for row in eval_rows) if eval_rows else None,
+        "last_tau": eval_rows[-1]["tau"] if eval_rows else None,
+        "events": [event for event in events if "event" in event],
+    }
+    if points:
+        result["series"] = {
+            "train": [
+                [row["step"], row.get("loss"), row.get("tokens_per_s")] for row in thin(train_rows, points)
+            ],
+            "eval": [[row["step"], row["tau"]] for row in thin(eval_rows, points)],
+        }
+    return result
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "outs": {"type": "list", "elements": "path", "default": []},
+            "root": {"type": "path"},
+            "points": {"type": "int", "default": 0},
+            "live": {"type": "list", "elements": "dict", "default": []},
+        },
+        supports_check_mode=True,
+    )
+    outs = list(module.params["outs"])
+    root = module.params["root"]
+    if root and os.path.isdir(root):
+        outs += sorted(
+            os.path.join(root, name) for name in os.listdir(root) if os.path.isdir(os.path.join(root, name))
+        )
+    runs = [summarize(out, module.params["points"]) for out in outs if os.path.isdir(out)]
+    alive = {}
+    # Launches the targets' own events name (those the controller's ledger may have lost).
+    started = [e for run in runs for e in run["events"] if e.get("event") == "start" and e.get("start_time")]
+    for launch in [*started, *module.params["live"]]:
+        try:
+            pid = int(launch.get("pid") or 0)
+            start_time = int(launch["start_time"]) if launch.get("start_time") is not None else None
+        except (TypeError, ValueError):
+            continue
+        if pid:
+            found = probe(pid, start_time, launch.get("boot_id"), launch.get("run"))
+            alive[str(pid)] = found["state"] == "running"
+    module.exit_json(changed=False, runs=runs, alive=alive)
+
+
+if __name__ == "__main__":
+    main()

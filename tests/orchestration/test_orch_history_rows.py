@@ -1,0 +1,171 @@
+"""The history's rows and table (filter dflash.ct200.run_rows / run_table) and the status
+sparklines (dflash.ct200.sparkline / curve_lines), from ledger records and target events."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+FILTERS = REPO / "collections/ansible_collections/dflash/ct200/plugins/filter"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"dflash_filter_{name}", FILTERS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+history = load("history")
+curves = load("curves")
+
+
+def record(run: str, pid: int, started: str, state: str = "running") -> dict:
+    return {
+        "run": run,
+        "run_id": f"{run}-{started.replace('-', '').replace(':', '')}-{pid}",
+        "host": "ct200",
+        "pid": pid,
+        "out": f"/ws/runs/{run}",
+        "started_at": started,
+        "state": state,
+    }
+
+
+def event(kind: str, pid: int, time: str, **fields) -> dict:
+    return {"event": kind, "pid": pid, "time": time, "run": fields.pop("run", "x"), **fields}
+
+
+def entry(name: str, events: list[dict], **summary) -> dict:
+    return {"out": f"/ws/runs/{name}", "name": name, "events": events, **summary}
+
+
+def test_every_ending_gets_its_state_and_reason_newest_first():
+    ledger = [
+        record("eager", 10, "2026-01-01T10:00:00Z", "running"),
+        record("nographs", 20, "2026-01-01T11:00:00Z", "stopped"),
+        record("process", 30, "2026-01-01T12:00:00Z", "running"),
+        record("graphs", 40, "2026-01-01T13:00:00Z", "failed"),
+        record("long", 50, "2026-01-01T14:00:00Z", "running"),
+        record("flaky", 60, "2026-01-01T15:00:00Z", "running"),
+    ]
+    histories = {
+        "ct200": [
+            entry(
+                "eager",
+                [
+                    event("start", 10, "2026-01-01T10:00:01Z"),
+                    event("finish", 10, "2026-01-01T10:30:01Z", step=150),
+                ],
+                last_step=150,
+                total_steps=150,
+                last_loss=1.5,
+                best_tau=1.95,
+                last_tau=1.9,
+                tokens_per_s=1000.0,
+            ),
+            entry(
+                "nographs",
+                [
+                    event("start", 20, "t"),
+                    event("stop", 20, "2026-01-01T11:05:00Z", text="x: stopped by SIGTERM"),
+                ],
+            ),
+            entry("process", [event("start", 30, "2026-01-01T12:00:01Z")], last_step=40),
+            entry(
+                "graphs", [event("failed", 40, "2026-01-01T13:00:02Z", reason="bad input: data.train_file")]
+            ),
+            entry("long", [event("start", 50, "2026-01-01T14:00:01Z")]),
+            entry(
+                "flaky",
+                [
+                    event("start", 60, "2026-01-01T15:00:01Z"),
+                    event("crash", 60, "2026-01-01T15:01:00Z", reason="killed by SIGKILL"),
+                    event("restart", 60, "2026-01-01T15:01:10Z"),
+                    event("finish", 60, "2026-01-01T15:10:00Z"),
+                ],
+            ),
+        ]
+    }
+    alive = {"ct200": {"10": False, "20": False, "30": False, "40": False, "50": True, "60": False}}
+    rows = history.run_rows(ledger, histories, alive, None, "2026-01-01T14:30:00Z")
+    assert [(r["run"], r["state"]) for r in rows] == [
+        ("flaky", "recovered"),
+        ("long", "running"),
+        ("graphs", "failed"),
+        ("process", "crashed"),
+        ("nographs", "stopped"),
+        ("eager", "finished"),
+    ]
+    by_run = {r["run"]: r for r in rows}
+    assert by_run["eager"]["duration_s"] == 1801 and by_run["eager"]["best_tau"] == 1.95
+    assert by_run["graphs"]["exit_reason"] == "bad input: data.train_file"
+    assert by_run["process"]["exit_reason"] == "ended without a word (killed?)"
+    assert (
+        by_run["flaky"]["restarts"] == 1 and by_run["flaky"]["exit_reason"] == "finished after 1 restart(s)"
+    )
+    assert by_run["long"]["duration_s"] == 1800  # still running: up to now
+    assert [r["run"] for r in history.run_rows(ledger, histories, alive, "eager")] == ["eager"]
+
+    table = history.run_table(rows, 4)
+    assert table[0].split()[:3] == ["RUN", "HOST", "STATE"]
+    assert table[-1].startswith("... and 2 older run(s)")
+    assert len(table) == 6
+    assert "150/150" not in "\n".join(table)  # eager is among the older rows left out
+    assert "150/150" in "\n".join(history.run_table(rows))
+
+
+def test_a_lost_ledger_still_lists_what_the_target_remembers():
+    histories = {
+        "ct200": [
+            entry(
+                "nographs",
+                [
+                    event("start", 77, "2026-01-02T09:00:00Z", run="nographs", run_id="nographs-a-77"),
+                    event("finish", 77, "2026-01-02T09:10:00Z", run="nographs", run_id="nographs-a-77"),
+                ],
+                last_step=150,
+            )
+        ]
+    }
+    (row,) = history.run_rows("", histories, {})
+    assert row["run_id"] == "nographs-a-77" and row["state"] == "finished" and row["in_ledger"] is False
+    assert row["duration_s"] == 600
+    assert history.run_table([]) == [
+        "RUN  HOST  STATE  STARTED  TIME  STEP  LOSS  TAU best/last  TOK/S  EXIT",
+        "no runs recorded yet",
+    ]
+
+
+def test_ledger_text_with_a_broken_line():
+    text = "\n".join([json.dumps(record("eager", 1, "2026-01-01T00:00:00Z")), "{broken", ""])
+    assert [r["run"] for r in history.ledger_records(text)] == ["eager"]
+
+
+def test_sparkline_and_status_lines():
+    assert curves.sparkline([1, 2, 3, 4, 5, 6, 7, 8]) == "▁▂▃▄▅▆▇█"
+    assert curves.sparkline([3, 3, 3]) == "▅▅▅"
+    assert curves.sparkline([]) == "" and curves.sparkline([None, "x"]) == ""
+    assert len(curves.sparkline(list(range(1000)), 30)) == 30
+    lines = curves.curve_lines(
+        {
+            "series": {"train": [[1, 9.0, 1], [2, 5.0, 1], [3, 1.0, 1]], "eval": [[0, 1.0], [3, 1.5]]},
+            "last_loss": 1.0,
+            "last_step": 3,
+            "total_steps": 10,
+            "last_tau": 1.5,
+            "best_tau": 1.5,
+            "events": [
+                event("restart", 5, "T", step=2, reason="killed by SIGKILL"),
+                event("restart", 4, "T"),
+            ],
+        },
+        pid=5,
+    )
+    assert lines == [
+        "  loss     █▅▁ 1.0000 at step 3/10",
+        "  tau/eval ▁█ last 1.500, best 1.500 (2 evaluations)",
+        "  restarts 1 (last at T, step 2: killed by SIGKILL)",
+    ]
