@@ -128,12 +128,24 @@ def test_merge_appends_replaces_and_reports_change() -> None:
     assert merged == ['{"run_id": "a", "x": 1}'] and not changed
 
 
+def test_update_changes_only_the_given_keys_of_an_existing_line_and_appends_nothing() -> None:
+    merged, changed = merge(
+        ['{"run_id": "a", "state": "running", "x": 1}'], {"run_id": "a", "restarts": 2}, True
+    )
+    assert [json.loads(line) for line in merged] == [
+        {"run_id": "a", "state": "running", "x": 1, "restarts": 2}
+    ]
+    assert changed
+    merged, changed = merge(['{"run_id": "a"}'], {"run_id": "b", "restarts": 1}, update=True)
+    assert merged == ['{"run_id": "a"}'] and not changed
+
+
 def test_the_documented_options_are_the_ones_the_action_reads(tmp_path) -> None:
     import yaml
     from ansible_collections.dflash.ct200.plugins.modules import run_ledger as documentation
 
     options = yaml.safe_load(documentation.DOCUMENTATION)["options"]
-    assert set(options) == {"path", "record"}
+    assert set(options) == {"path", "record", "update"}
     assert options["path"]["required"] and options["record"]["required"]
     with pytest.raises(AnsibleActionFail):
         run_ledger({"path": str(tmp_path / "runs.jsonl")})  # each required one is needed
