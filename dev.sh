@@ -6,6 +6,8 @@
 #                                    ansible-playbook: -e resume=true, -e fresh=true, -i inventory/pair
 #   ./dev.sh status [OPTIONS]        report the run on the target
 #   ./dev.sh stop [OPTIONS]          stop it (SIGTERM, checkpoint, exit)
+#   ./dev.sh runs|logs|report|export [OPTIONS]   history, the log (-e follow=true), a PNG of
+#                                    curves (-e runs=a,b), the drafter in the DFlash format
 #   ./dev.sh fast           ruff, ansible-lint (production), the unit tests (pytest -m unit)
 #   ./dev.sh sanity         ansible-test sanity for the collection dflash.ct200
 #   ./dev.sh test           everything: ruff, ansible-lint, sanity, pytest, molecule (default, proxmox)
@@ -75,12 +77,13 @@ case "$command" in
         exec ansible-playbook playbooks/launch.yml -e "run=$run" "$@" ;;
     status) exec ansible-playbook playbooks/status.yml "$@" ;;
     stop) exec ansible-playbook playbooks/stop.yml "$@" ;;
+    runs | logs | report | export) exec ansible-playbook "playbooks/$command.yml" "$@" ;;
     fast) run_fast ;;
     sanity) exec scripts/collection_sanity.sh "$@" ;;
     test) run_tests ;;
     bench) exec python scripts/bench_launch.py "$@" ;;
     *)
-        sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2
+        sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2
         exit 2
         ;;
 esac
