@@ -43,19 +43,20 @@ def run_record(state_dir: Path, run: str = "nographs") -> dict:
 
 
 def trainers_on(out: Path) -> list[int]:
-    """PIDs of every live process whose command line runs the trainer on this output."""
-    found = []
+    """PIDs of every live run on this output: the top process of each (a supervisor and the
+    trainer it runs, or torchrun and its ranks, count as one run, named by the top PID)."""
+    found: dict[int, int] = {}  # pid -> parent pid
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             cmdline = proc.joinpath("cmdline").read_bytes().split(b"\0")
-            state = proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0]
+            fields = proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if state not in ("Z", "X") and b"trainer" in cmdline and str(out).encode() in cmdline:
-            found.append(int(proc.name))
-    return found
+        if fields[0] not in ("Z", "X") and b"trainer" in cmdline and str(out).encode() in cmdline:
+            found[int(proc.name)] = int(fields[1])
+    return sorted(pid for pid, parent in found.items() if parent not in found)
 
 
 def end_trainers_of(state_dir: Path) -> None:
