@@ -434,7 +434,8 @@ def test_torchrun_restarts_a_killed_rank_and_the_losses_continue_exactly(embedde
         "--run",
         "process",
         *TINY,
-        "--steps=10",
+        # Enough steps that the run is still training when a rank is killed after step 2.
+        "--steps=60",
         f"--set=data.cache_dir={cache_dir}",
         "--set=parallel.cpu_workers=2",
         "--set=train.checkpoint_every=2",
