@@ -123,57 +123,17 @@ class Supervisor:
         self.events.record("start", "started" + (" (resuming)" if resume else ""))
         while True:
             status = self.wait()
-            if self.stop_signal is not None and status in (0, -signal.SIGTERM, -signal.SIGINT):
-                self.events.record(
-                    "stop", f"stopped by {self.stop_signal}", exit_status=status, restarts=crashes
-                )
-                return 0 if status <= 0 else status
-            if status == 0:
-                self.events.record("finish", "finished", exit_status=0, restarts=crashes)
-                return 0
-            if status == 2:
-                reason = crash_reason(status).replace("exit status 2: ", "bad input: ", 1)
-                self.events.record("failed", reason, exit_status=2, reason=reason, restarts=crashes)
-                return 2
+            ended = self.how_it_ended(status, crashes)
+            if ended is not None:
+                return ended
             reason = crash_reason(status)
-            if self.stop_signal is not None:
-                # It died on its way out of a stop: still a stop, never a restart.
-                self.events.record(
-                    "stop",
-                    f"stopped by {self.stop_signal}, then {reason}",
-                    exit_status=status,
-                    reason=reason,
-                    restarts=crashes,
-                )
-                return 1
             crashes += 1
             self.events.record(
                 "crash", f"crashed ({reason})", exit_status=status, reason=reason, restarts=crashes - 1
             )
-            if self.max_restarts == 0:
-                print(f"supervise: the trainer {reason}; not restarted (recover_max_restarts=0)", flush=True)
-                return 1
-            if crashes > self.max_restarts:
-                why = (
-                    f"crashed {crashes} time(s), more than recover_max_restarts={self.max_restarts} allows; "
-                    f"last: {reason}"
-                )
-                print(f"supervise: failed: {why}", flush=True)
-                self.events.record("failed", why, exit_status=status, reason=why, restarts=crashes - 1)
-                return 1
-            print(
-                f"supervise: the trainer {reason}; restart {crashes}/{self.max_restarts} with --resume "
-                f"in {self.backoff_s:g}s",
-                flush=True,
-            )
-            if self.wake.wait(self.backoff_s) or self.stop_signal is not None:
-                self.events.record(
-                    "stop",
-                    f"stopped by {self.stop_signal} before restarting",
-                    exit_status=status,
-                    restarts=crashes - 1,
-                )
-                return 0
+            verdict = self.give_up(status, crashes, reason)
+            if verdict is not None:
+                return verdict
             self.start(resume=True)
             self.events.record(
                 "restart",
@@ -182,6 +142,61 @@ class Supervisor:
                 reason=reason,
                 restarts=crashes,
             )
+
+    def how_it_ended(self, status: int, crashes: int) -> int | None:
+        """The supervisor's exit status when the trainer's end is final (finished, stopped, bad
+        input), recorded as an event; None for a crash."""
+        if self.stop_signal is not None and status in (0, -signal.SIGTERM, -signal.SIGINT):
+            self.events.record("stop", f"stopped by {self.stop_signal}", exit_status=status, restarts=crashes)
+            return 0 if status <= 0 else status
+        if status == 0:
+            self.events.record("finish", "finished", exit_status=0, restarts=crashes)
+            return 0
+        if status == 2:
+            reason = crash_reason(status).replace("exit status 2: ", "bad input: ", 1)
+            self.events.record("failed", reason, exit_status=2, reason=reason, restarts=crashes)
+            return 2
+        if self.stop_signal is not None:
+            # It died on its way out of a stop: still a stop, never a restart.
+            reason = crash_reason(status)
+            self.events.record(
+                "stop",
+                f"stopped by {self.stop_signal}, then {reason}",
+                exit_status=status,
+                reason=reason,
+                restarts=crashes,
+            )
+            return 1
+        return None
+
+    def give_up(self, status: int, crashes: int, reason: str) -> int | None:
+        """After a crash: the exit status when no restart follows (none allowed, too many crashes,
+        a stop during the backoff); None once the backoff has passed and a restart is due."""
+        if self.max_restarts == 0:
+            print(f"supervise: the trainer {reason}; not restarted (recover_max_restarts=0)", flush=True)
+            return 1
+        if crashes > self.max_restarts:
+            why = (
+                f"crashed {crashes} time(s), more than recover_max_restarts={self.max_restarts} allows; "
+                f"last: {reason}"
+            )
+            print(f"supervise: failed: {why}", flush=True)
+            self.events.record("failed", why, exit_status=status, reason=why, restarts=crashes - 1)
+            return 1
+        print(
+            f"supervise: the trainer {reason}; restart {crashes}/{self.max_restarts} with --resume "
+            f"in {self.backoff_s:g}s",
+            flush=True,
+        )
+        if self.wake.wait(self.backoff_s) or self.stop_signal is not None:
+            self.events.record(
+                "stop",
+                f"stopped by {self.stop_signal} before restarting",
+                exit_status=status,
+                restarts=crashes - 1,
+            )
+            return 0
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

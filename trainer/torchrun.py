@@ -186,7 +186,34 @@ def main() -> None:
     backoff_s = float(option_value(argv, "--restart-backoff-s", "10"))
     argv = without_option(argv, "--restart-backoff-s")
     events = run_events(argv)
-    first: list[int] = []
+    first: list[int] = []  # the first stop signal, once one came
+    watch_signals(OWN_SIGNALS, signal_forwarder(events, first, grace))
+    # torchrun handles the other signals as usual; these two are ours (read by torchrun at start).
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import main as torchrun_main
+
+    argv = [arg for arg in argv if not arg.startswith("--signals-to-handle")]
+    if "--shutdown-timeout" not in get_args_parser()._option_string_actions:
+        # Older torchrun (torch 2.11 has none) refuses the option; the timer above keeps the grace.
+        argv = without_option(argv, "--shutdown-timeout")
+    decide_restarts(events, first, backoff_s)
+    if events is not None:
+        events.record("start", "started under torchrun")
+    try:
+        torchrun_main([f"--signals-to-handle={os.environ['TORCHELASTIC_SIGNALS_TO_HANDLE']}", *argv])
+    except BaseException as exc:
+        record_failure(events, first, exc)
+        raise
+    if events is not None:
+        if first:
+            events.record("stop", f"stopped by {signal.Signals(first[0]).name}", exit_status=0)
+        else:
+            events.record("finish", "finished", exit_status=0)
+
+
+def signal_forwarder(events, first: list[int], grace: float):
+    """SIGTERM/SIGINT to every rank (SIGKILL after the grace); with no rank running, exit now."""
 
     def forward(signum: int) -> None:
         name = signal.Signals(signum).name
@@ -206,43 +233,22 @@ def main() -> None:
             timer.daemon = True
             timer.start()
 
-    watch_signals(OWN_SIGNALS, forward)
-    # torchrun handles the other signals as usual; these two are ours (read by torchrun at start).
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import main as torchrun_main
+    return forward
 
-    argv = [arg for arg in argv if not arg.startswith("--signals-to-handle")]
-    if "--shutdown-timeout" not in get_args_parser()._option_string_actions:
-        # Older torchrun (torch 2.11 has none) refuses the option; the timer above keeps the grace.
-        argv = without_option(argv, "--shutdown-timeout")
-    decide_restarts(events, first, backoff_s)
-    if events is not None:
-        events.record("start", "started under torchrun")
-    try:
-        torchrun_main([f"--signals-to-handle={os.environ['TORCHELASTIC_SIGNALS_TO_HANDLE']}", *argv])
-    except BaseException as exc:
-        if events is not None and first:
-            events.record(
-                "stop",
-                f"stopped by {signal.Signals(first[0]).name}, a rank failed on its way out",
-                exit_status=1,
-            )
-        elif events is not None and not isinstance(exc, KeyboardInterrupt):
-            ended = events_end(events)
-            if ended is None:
-                events.record(
-                    "failed",
-                    f"torchrun ended: {type(exc).__name__}",
-                    exit_status=1,
-                    reason=type(exc).__name__,
-                )
-        raise
-    if events is not None:
-        if first:
-            events.record("stop", f"stopped by {signal.Signals(first[0]).name}", exit_status=0)
-        else:
-            events.record("finish", "finished", exit_status=0)
+
+def record_failure(events, first: list[int], exc: BaseException) -> None:
+    """torchrun raised: a stop whose rank failed on its way out, or the run failed (unless the
+    events already say how it ended)."""
+    if events is None:
+        return
+    if first:
+        events.record(
+            "stop", f"stopped by {signal.Signals(first[0]).name}, a rank failed on its way out", exit_status=1
+        )
+    elif not isinstance(exc, KeyboardInterrupt) and events_end(events) is None:
+        events.record(
+            "failed", f"torchrun ended: {type(exc).__name__}", exit_status=1, reason=type(exc).__name__
+        )
 
 
 def events_end(events) -> dict | None:
