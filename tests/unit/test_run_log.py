@@ -6,7 +6,6 @@ its follow loop, with the module run in this process in place of a connection.""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -15,12 +14,6 @@ from types import SimpleNamespace
 import pytest
 from ansible.errors import AnsibleActionFail
 from ansible.plugins.loader import action_loader
-from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
-    boot_id,
-    is_trainer_cmdline,
-    read_cmdline,
-    read_stat,
-)
 from ansible_collections.dflash.ct200.plugins.modules import run_log
 
 LINES = ["step 1 loss 9.0", "step 2 loss 5.0", "eval step 2 tau 1.5", "done: 2 steps"]
@@ -31,30 +24,6 @@ def log(tmp_path):
     path = tmp_path / "train.log"
     path.write_text("\n".join(LINES) + "\n")
     return path
-
-
-@pytest.fixture
-def trainer():
-    """A live process whose command line is a trainer's (python -m trainer --run nographs) and its
-    recorded identity; killed and reaped at the end of the test."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)", "-m", "trainer", "--run", "nographs"]
-    )
-    try:
-        deadline = time.monotonic() + 10
-        # Until it has exec'd, the child's command line is still this test's.
-        while not is_trainer_cmdline(read_cmdline(process.pid)) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        identity = {
-            "pid": process.pid,
-            "start_time": read_stat(process.pid)["start_time"],
-            "boot_id": boot_id(),
-            "run": "nographs",
-        }
-        yield SimpleNamespace(process=process, identity=identity)
-    finally:
-        process.kill()
-        process.wait(timeout=10)
 
 
 @pytest.fixture
@@ -177,31 +146,31 @@ def test_check_mode_reads_the_same(run_module, log) -> None:
 
 
 def test_a_live_trainer_keeps_its_unfinished_line_for_the_next_read(
-    run_module, tmp_path, trainer, fast_poll
+    run_module, tmp_path, live_trainer, fast_poll
 ) -> None:
     path = tmp_path / "train.log"
     path.write_text("step 1 loss 9.0\nstep 2 lo")
-    result = read(run_module, path=str(path), offset=0, **trainer.identity)
+    result = read(run_module, path=str(path), offset=0, **live_trainer.identity)
     assert result["alive"] is True and result["ended"] is None
     assert result["log_lines"] == ["step 1 loss 9.0"] and result["offset"] == len("step 1 loss 9.0\n")
     # Once the trainer is gone, the rest is returned as it stands.
-    trainer.process.kill()
-    trainer.process.wait(timeout=10)
-    rest = read(run_module, path=str(path), offset=result["offset"], **trainer.identity)
+    live_trainer.process.kill()
+    live_trainer.process.wait(timeout=10)
+    rest = read(run_module, path=str(path), offset=result["offset"], **live_trainer.identity)
     assert rest["alive"] is False and rest["log_lines"] == ["step 2 lo"]
 
 
-def test_another_process_behind_the_pid_is_not_alive(run_module, log, trainer) -> None:
-    result = read(run_module, path=str(log), **{**trainer.identity, "run": "graphs"})
+def test_another_process_behind_the_pid_is_not_alive(run_module, log, live_trainer) -> None:
+    result = read(run_module, path=str(log), **{**live_trainer.identity, "run": "graphs"})
     assert result["alive"] is False and result["ended"] == "exit status 0 (finished)"
-    result = read(run_module, path=str(log), **{**trainer.identity, "start_time": 1})
+    result = read(run_module, path=str(log), **{**live_trainer.identity, "start_time": 1})
     assert result["alive"] is False
 
 
-def test_waits_for_new_lines_while_the_trainer_lives(run_module, log, trainer, fast_poll) -> None:
+def test_waits_for_new_lines_while_the_trainer_lives(run_module, log, live_trainer, fast_poll) -> None:
     size = log.stat().st_size
     began = time.monotonic()
-    idle = read(run_module, path=str(log), offset=size, wait_s=0.3, **trainer.identity)
+    idle = read(run_module, path=str(log), offset=size, wait_s=0.3, **live_trainer.identity)
     assert idle["log_lines"] == [] and idle["alive"] is True
     assert time.monotonic() - began >= 0.3
 
@@ -213,7 +182,7 @@ def test_waits_for_new_lines_while_the_trainer_lives(run_module, log, trainer, f
     writer.start()
     try:
         began = time.monotonic()
-        result = read(run_module, path=str(log), offset=size, wait_s=20, **trainer.identity)
+        result = read(run_module, path=str(log), offset=size, wait_s=20, **live_trainer.identity)
     finally:
         writer.join()
     assert result["log_lines"] == ["step 3 loss 2.0"]
@@ -284,20 +253,24 @@ def test_a_module_failure_fails_the_action_with_its_message(run_module, log) -> 
         action_for({"path": str(log), "max_bytes": 0}, run_module).run(task_vars={})
 
 
-def test_follow_shows_new_lines_until_the_trainer_exits(run_module, log, trainer, shown, fast_poll) -> None:
+def test_follow_shows_new_lines_until_the_trainer_exits(
+    run_module, log, live_trainer, shown, fast_poll
+) -> None:
     def write_then_exit() -> None:
         with open(log, "a") as handle:
             handle.write("step 3 loss 2.0\n")
             handle.flush()
             time.sleep(0.3)
             handle.write("step 4 loss 1.0\nstopped at step 4")
-        trainer.process.kill()
-        trainer.process.wait(timeout=10)
+        live_trainer.process.kill()
+        live_trainer.process.wait(timeout=10)
 
     writer = threading.Timer(0.2, write_then_exit)
     calls: list = []
     action = action_for(
-        {"path": str(log), "lines": 1, "follow": True, "poll_s": 0.2, **trainer.identity}, run_module, calls
+        {"path": str(log), "lines": 1, "follow": True, "poll_s": 0.2, **live_trainer.identity},
+        run_module,
+        calls,
     )
     writer.start()
     try:
@@ -311,9 +284,9 @@ def test_follow_shows_new_lines_until_the_trainer_exits(run_module, log, trainer
 
 
 def test_follow_stops_at_max_s_while_the_trainer_still_runs(
-    run_module, log, trainer, shown, fast_poll
+    run_module, log, live_trainer, shown, fast_poll
 ) -> None:
-    args = {"path": str(log), "follow": True, "poll_s": 0.1, "max_s": 0.5, **trainer.identity}
+    args = {"path": str(log), "follow": True, "poll_s": 0.1, "max_s": 0.5, **live_trainer.identity}
     began = time.monotonic()
     result = action_for(args, run_module).run(task_vars={})
     assert result["timed_out"] is True and result["alive"] is True and result["ended"] is None
