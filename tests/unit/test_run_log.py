@@ -198,8 +198,9 @@ def test_a_dead_trainer_is_not_waited_for(run_module, log, tmp_path) -> None:
 # The action.
 
 
-def action_for(args: dict, run_module, calls: list | None = None):
-    """The action as a play resolves it, with _execute_module running the module here."""
+def action_for(args: dict, run_module, calls: list | None = None, after_read=None):
+    """The action as a play resolves it, with _execute_module running the module here (and then
+    after_read(number of reads so far), where given)."""
     task = SimpleNamespace(args=args, check_mode=False, async_val=0, action="dflash.ct200.run_log")
     connection = SimpleNamespace(_shell=SimpleNamespace(tmpdir=None))
     action = action_loader.get(
@@ -216,7 +217,10 @@ def action_for(args: dict, run_module, calls: list | None = None):
         assert module_name == "dflash.ct200.run_log"
         if calls is not None:
             calls.append(dict(module_args))
-        return run_module(run_log.main, module_args).result
+        result = run_module(run_log.main, module_args).result
+        if after_read is not None:
+            after_read(len(calls) if calls is not None else None)
+        return result
 
     action._execute_module = execute
     return action
@@ -281,6 +285,30 @@ def test_follow_shows_new_lines_until_the_trainer_exits(
     assert result["lines_shown"] == 4 and result["alive"] is False and result["followed"] is True
     assert result["ended"] == "exit status 0 (stopped after a checkpoint)" and result["timed_out"] is False
     assert all(call["wait_s"] == 0.2 and call["offset"] >= 0 for call in calls[1:])
+
+
+def test_follow_reads_what_is_left_after_the_trainer_exits(run_module, log, live_trainer, shown) -> None:
+    late = [f"step {n} loss 1.{n}" for n in range(3, 13)]
+
+    def exit_after_the_first_read(reads: int) -> None:
+        if reads == 1:
+            with open(log, "a") as handle:
+                handle.write("".join(line + "\n" for line in late))
+            live_trainer.process.kill()
+            live_trainer.process.wait(timeout=10)
+
+    calls: list = []
+    args = {
+        "path": str(log),
+        "lines": 1,
+        "max_bytes": 40,
+        "follow": True,
+        "poll_s": 0.1,
+        **live_trainer.identity,
+    }
+    result = action_for(args, run_module, calls, exit_after_the_first_read).run(task_vars={})
+    assert shown == [LINES[-1], *late]  # every bounded read until nothing more, though it had exited
+    assert len(calls) > 3 and result["alive"] is False and result["offset"] == log.stat().st_size
 
 
 def test_follow_stops_at_max_s_while_the_trainer_still_runs(
