@@ -5,9 +5,19 @@ collection loader (set up in tests/conftest.py)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
+    boot_id,
+    is_trainer_cmdline,
+    read_cmdline,
+    read_stat,
+)
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -42,3 +52,27 @@ def run_module(capsys):
         return ModuleExit(json.loads(out))
 
     return run
+
+
+@pytest.fixture
+def live_trainer():
+    """A live process whose command line is a trainer's (python -m trainer --run nographs) and its
+    recorded identity; killed and reaped at the end of the test."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "-m", "trainer", "--run", "nographs"]
+    )
+    try:
+        deadline = time.monotonic() + 10
+        # Until it has exec'd, the child's command line is still this test's.
+        while not is_trainer_cmdline(read_cmdline(process.pid)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        identity = {
+            "pid": process.pid,
+            "start_time": read_stat(process.pid)["start_time"],
+            "boot_id": boot_id(),
+            "run": "nographs",
+        }
+        yield SimpleNamespace(process=process, identity=identity)
+    finally:
+        process.kill()
+        process.wait(timeout=10)

@@ -1,25 +1,12 @@
 """The history's rows and table (filter dflash.ct200.run_rows / run_table) and the status
-sparklines (dflash.ct200.sparkline / curve_lines), from ledger records and target events."""
+sparklines (dflash.ct200.sparkline / curve_lines), from ledger records and target events: the
+filters imported as the Python modules they are, through the collection loader."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-FILTERS = REPO / "collections/ansible_collections/dflash/ct200/plugins/filter"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"dflash_filter_{name}", FILTERS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-history = load("history")
-curves = load("curves")
+from ansible_collections.dflash.ct200.plugins.filter import curves, history
 
 
 def record(run: str, pid: int, started: str, state: str = "running") -> dict:
@@ -169,3 +156,50 @@ def test_sparkline_and_status_lines():
         "  tau/eval ▁█ last 1.500, best 1.500 (2 evaluations)",
         "  restarts 1 (last at T, step 2: killed by SIGKILL)",
     ]
+
+
+def test_restarts_the_ledger_lacks_become_updates_and_nothing_else():
+    rows = [
+        {
+            "run_id": "a-1",
+            "in_ledger": True,
+            "restarts": 2,
+            "ledger_restarts": 1,
+            "restart_events": ["e1", "e2"],
+        },
+        {"run_id": "b-2", "in_ledger": True, "restarts": 1, "ledger_restarts": 1, "restart_events": ["e"]},
+        {"run_id": "c-3", "in_ledger": False, "restarts": 3, "restart_events": ["e"]},
+        {"run_id": "d-4", "in_ledger": True, "restarts": 0, "restart_events": []},
+    ]
+    assert history.ledger_restarts(rows) == [{"run_id": "a-1", "restarts": 2, "restart_events": ["e1", "e2"]}]
+    assert history.ledger_restarts(None) == []
+
+
+def test_report_runs_picks_named_runs_with_metrics_in_the_asked_order():
+    series = {"train": [[1, 2.0, 100.0]], "eval": []}
+    histories = {
+        "ct200": [
+            entry("eager", [], series=series),
+            entry("graphs", [], series=series),
+            entry("empty", [], series={"train": [], "eval": []}),
+        ]
+    }
+    picked = history.report_runs(histories, ["graphs", "eager", "empty", "nowhere"])
+    assert [run["label"] for run in picked["runs"]] == ["graphs", "eager"]
+    assert picked["missing"] == ["empty", "nowhere"] and picked["available"] == ["eager", "graphs"]
+    two_hosts = history.report_runs({"a": [entry("eager", [], series=series)], "b": []}, ["eager"])
+    assert [run["label"] for run in two_hosts["runs"]] == ["a:eager"]
+
+
+def test_the_filters_are_published_under_their_names():
+    assert set(history.FilterModule().filters()) == {
+        "ledger_records",
+        "ledger_restarts",
+        "run_rows",
+        "run_table",
+        "report_runs",
+    }
+    assert curves.FilterModule().filters() == {
+        "sparkline": curves.sparkline,
+        "curve_lines": curves.curve_lines,
+    }
