@@ -135,8 +135,15 @@ def test_bad_numbers_fail_naming_the_limits(run_module, log, args) -> None:
 def test_a_missing_path_or_an_unknown_option_fails(run_module, log) -> None:
     no_path = run_module(run_log.main, {"lines": 3})
     assert no_path.failed and "path" in no_path.result["msg"]
-    unknown = run_module(run_log.main, {"path": str(log), "follow": True})
-    assert unknown.failed and "follow" in unknown.result["msg"]
+    unknown = run_module(run_log.main, {"path": str(log), "tail": True})
+    assert unknown.failed and "tail" in unknown.result["msg"]
+
+
+def test_the_record_whole_gives_the_identity(run_module, log, live_trainer) -> None:
+    whole = run_module(run_log.main, {"path": str(log), "lines": 1, "recorded": live_trainer.identity})
+    assert not whole.failed and whole.result["alive"], whole.result
+    bad = run_module(run_log.main, {"path": str(log), "recorded": {"pid": "forty-two"}})
+    assert bad.failed and "recorded.pid" in bad.result["msg"]
 
 
 def test_check_mode_reads_the_same(run_module, log) -> None:
@@ -327,4 +334,10 @@ def test_the_documented_module_options_are_its_argument_spec() -> None:
 
     documented = set(yaml.safe_load(run_log.DOCUMENTATION)["options"])
     action = sys.modules[action_loader.get("dflash.ct200.run_log", class_only=True).__module__]
-    assert documented == {*action.MODULE_OPTIONS, "offset", "wait_s"}
+    # The module's own options, which the action passes on, and the action's, documented here too.
+    assert documented == {*action.MODULE_OPTIONS, "offset", "wait_s"} - {"recorded"} | {
+        "follow",
+        "poll_s",
+        "max_s",
+        "prefix",
+    }

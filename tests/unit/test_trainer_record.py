@@ -188,7 +188,7 @@ def test_the_modules_that_take_the_record_are_the_ones_that_declare_the_fragment
     modules = Path(trainer_stop.__file__).parent
     takes = {p.stem for p in modules.glob("*.py") if "trainer_record.argument_spec()" in p.read_text()}
     declares = {p.stem for p in modules.glob("*.py") if "  - dflash.ct200.trainer_record\n" in p.read_text()}
-    assert takes == declares == {"run_probe", "trainer_stop"}
+    assert takes == declares == {"run_log", "run_probe", "trainer_stop"}
 
 
 def test_run_probe_classifies_the_trainer_named_by_the_record_alone(run_module, tmp_path) -> None:

@@ -18,7 +18,7 @@ from ansible.utils.display import Display
 
 display = Display()
 
-MODULE_OPTIONS = ("path", "lines", "max_bytes", "pid", "start_time", "boot_id", "run", "events")
+MODULE_OPTIONS = ("path", "lines", "max_bytes", "pid", "start_time", "boot_id", "run", "events", "recorded")
 
 
 class ActionModule(ActionBase):

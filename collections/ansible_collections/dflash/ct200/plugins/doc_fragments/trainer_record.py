@@ -14,9 +14,9 @@ options:
         the controller as the host fact C(trainer_run) and as a line of the run ledger); may be empty.
       - The module reads the trainer's identity from it, C(pid) with C(start_time) (field 22 of
         C(/proc/<pid>/stat)) and C(boot_id), so that a reused PID or a reboot is never taken for the
-        trainer, C(run) (the run name its command line carries) and C(log); and, with O(runs_dir),
+        trainer, C(run) (the run name its command line carries) and C(log); and, with a C(runs_dir) option,
         compares it with the target's own records (C(run_id), C(out)) to report where the controller's
         cache is wrong.
-      - A field of the same name given as an option of its own (O(pid), O(log), ...) wins over the record's.
+      - A field of the same name given as an option of its own (C(pid), C(log), ...) wins over the record's.
     type: dict
 """

@@ -53,6 +53,26 @@ options:
   events:
     description: The run's events.jsonl.
     type: path
+  follow:
+    description:
+      - Handled by the action plugin of the same name, never by the module - keep reading new
+        lines (bounded module runs, each waiting up to O(poll_s)) until the trainer exits.
+    type: bool
+    default: false
+  poll_s:
+    description: Handled by the action plugin - seconds each read waits for new lines while following.
+    type: float
+    default: 5
+  max_s:
+    description: Handled by the action plugin - stop following after this many seconds.
+    type: float
+    default: 604800
+  prefix:
+    description: Handled by the action plugin - text put before every line shown (the host, on several hosts).
+    type: str
+    default: ""
+extends_documentation_fragment:
+  - dflash.ct200.trainer_record
 author:
   - DFlash CT 200 team (!UNKNOWN)
 """
@@ -93,6 +113,7 @@ import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.dflash.ct200.plugins.module_utils import trainer_record
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     describe_exit,
     exit_from_log,
@@ -175,9 +196,16 @@ def main() -> None:
             "boot_id": {"type": "str"},
             "run": {"type": "str"},
             "events": {"type": "path"},
+            # Options of the action plugin of the same name, which takes them before calling this.
+            "follow": {"type": "bool", "default": False},
+            "poll_s": {"type": "float", "default": 5},
+            "max_s": {"type": "float", "default": 604800},
+            "prefix": {"type": "str", "default": ""},
+            **trainer_record.argument_spec(),
         },
         supports_check_mode=True,
     )
+    trainer_record.identity(module)  # pid, start_time, boot_id, run from O(recorded)
     params = module.params
     if params["lines"] < 0 or params["max_bytes"] < 1 or params["wait_s"] < 0:
         module.fail_json(msg="run_log: lines must not be negative, max_bytes positive, wait_s not negative")
