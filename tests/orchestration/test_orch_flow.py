@@ -101,7 +101,7 @@ def test_bad_setting_is_refused_on_the_controller(state_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_trainer_dying_at_start_fails_with_log_tail(state_dir: Path) -> None:
-    ctl = make_controller(state_dir, trainer_machine=MISSING_DATA)
+    ctl = make_controller(state_dir, dflash_machine=MISSING_DATA)
     try:
         with pytest.raises(PlaybookFailed) as failure:
             ctl.launch("nographs")
@@ -118,7 +118,7 @@ def test_trainer_dying_at_start_fails_with_log_tail(state_dir: Path) -> None:
 @pytest.mark.slow
 def test_rank_failing_under_torchrun_names_the_ranks_reason(state_dir: Path) -> None:
     """Process topology: the rank's own error, not torchrun's failure report, explains the exit."""
-    ctl = make_controller(state_dir, trainer_machine=MISSING_DATA)
+    ctl = make_controller(state_dir, dflash_machine=MISSING_DATA)
     try:
         with pytest.raises(PlaybookFailed) as failure:
             ctl.launch("process")
@@ -196,7 +196,7 @@ def test_process_topology_launch_status_stop(state_dir: Path) -> None:
     torchrun's; stop.yml's SIGTERM reaches both ranks through it; the checkpoint is whole."""
     ctl = make_controller(
         state_dir,
-        trainer_machine={"parallel": {"devices": "cpu", "cpu_workers": 2}},
+        dflash_machine={"parallel": {"devices": "cpu", "cpu_workers": 2}},
         workspace_trainer_set=[
             "compile.mode=none",
             "data.regenerate=false",

@@ -62,11 +62,11 @@ def test_pair_inventory_is_two_local_trainer_hosts_meeting_on_loopback() -> None
     for hostvars in nodes:
         assert hostvars["ansible_connection"] == "local"
         assert hostvars["preflight_gpus_required"] is False
-        assert hostvars["trainer_rendezvous_endpoint"] == "127.0.0.1:29400"
+        assert hostvars["dflash_rendezvous_endpoint"] == "127.0.0.1:29400"
         assert hostvars["workspace_trainer_env"] == {"GLOO_SOCKET_IFNAME": "lo"}
-        assert hostvars["trainer_machine"]["parallel"]["cpu_workers"] == 1
+        assert hostvars["dflash_machine"]["parallel"]["cpu_workers"] == 1
         # Each host its own workspace (as on separate machines): a folder named after the host.
-        assert hostvars["trainer_workspace"].endswith("/pair/{{ inventory_hostname }}")
+        assert hostvars["dflash_workspace"].endswith("/pair/{{ inventory_hostname }}")
 
 
 def test_every_inventory_machine_config_is_one_the_trainer_accepts(tmp_path: Path) -> None:
@@ -77,7 +77,7 @@ def test_every_inventory_machine_config_is_one_the_trainer_accepts(tmp_path: Pat
     from trainer.config import ConfigError, load_config
 
     for inventory, host in (("local", "ct200"), ("gpu", "ct200"), ("proxmox", "ct200"), ("pair", "node1")):
-        machine = host_vars(inventory, host).get("trainer_machine", {})
+        machine = host_vars(inventory, host).get("dflash_machine", {})
         path = tmp_path / f"{inventory}.yml"
         path.write_text(yaml.safe_dump(machine))
         try:

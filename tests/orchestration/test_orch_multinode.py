@@ -43,16 +43,16 @@ def pair_inventory(tmp_path: Path, group_vars: dict | None = None, host_vars: di
         name: {
             "ansible_connection": "local",
             "ansible_python_interpreter": "{{ ansible_playbook_python }}",
-            "trainer_workspace": str(tmp_path / name),
+            "dflash_workspace": str(tmp_path / name),
             **(host_vars or {}).get(name, {}),
         }
         for name in HOSTS
     }
     variables = {
-        "trainer_python": "{{ ansible_playbook_python }}",
+        "dflash_python": "{{ ansible_playbook_python }}",
         "preflight_gpus_required": False,
-        "trainer_rendezvous_endpoint": f"127.0.0.1:{free_loopback_port()}",
-        "trainer_machine": {
+        "dflash_rendezvous_endpoint": f"127.0.0.1:{free_loopback_port()}",
+        "dflash_machine": {
             "parallel": {
                 "devices": "cpu",
                 "cpu_workers": 1,
@@ -182,20 +182,20 @@ def test_limit_leaving_out_a_host_of_the_run_is_refused(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("endpoint", ["127.0.0.1", "127.0.0.1:0", "127.0.0.1:65536", "two words:29400", ""])
 def test_malformed_rendezvous_endpoint_is_refused(tmp_path: Path, endpoint: str) -> None:
-    ctl = pair_controller(tmp_path, group_vars={"trainer_rendezvous_endpoint": endpoint})
+    ctl = pair_controller(tmp_path, group_vars={"dflash_rendezvous_endpoint": endpoint})
     with pytest.raises(PlaybookFailed) as failure:
         ctl.launch("process")
     message = str(failure.value)
     assert "must be one HOST:PORT with a port 1..65535" in message
     assert f"it is {endpoint!r}".replace("'", '"') in message, "the error shows the value given"
-    assert "Set trainer_rendezvous_endpoint once for the group" in message
+    assert "Set dflash_rendezvous_endpoint once for the group" in message
     nothing_started(tmp_path)
 
 
 @pytest.mark.slow
 def test_hosts_disagreeing_on_the_endpoint_are_refused(tmp_path: Path) -> None:
-    ctl = pair_controller(tmp_path, host_vars={"node1": {"trainer_rendezvous_endpoint": "127.0.0.2:29400"}})
-    with pytest.raises(PlaybookFailed, match="the hosts set different trainer_rendezvous_endpoint values"):
+    ctl = pair_controller(tmp_path, host_vars={"node1": {"dflash_rendezvous_endpoint": "127.0.0.2:29400"}})
+    with pytest.raises(PlaybookFailed, match="the hosts set different dflash_rendezvous_endpoint values"):
         ctl.launch("process")
     nothing_started(tmp_path)
 
@@ -214,7 +214,7 @@ def test_preflight_failing_on_one_host_starts_nothing_anywhere(tmp_path: Path) -
 def test_start_failing_on_one_host_stops_the_other(tmp_path: Path) -> None:
     """node1's python does not exist, so its run.sh dies at once; node0's torchrun, which started
     and waits in the rendezvous, is stopped and recorded failed: nothing is left waiting."""
-    ctl = pair_controller(tmp_path, host_vars={"node1": {"trainer_python": str(tmp_path / "no-such-python")}})
+    ctl = pair_controller(tmp_path, host_vars={"node1": {"dflash_python": str(tmp_path / "no-such-python")}})
     try:
         with pytest.raises(PlaybookFailed) as failure:
             ctl.launch("process")
@@ -244,7 +244,7 @@ def test_trainer_dying_on_one_host_stops_the_other(tmp_path: Path) -> None:
         group_vars={
             # node0's wait runs out first (its rank is blocked, waiting for node1's), then it is stopped.
             "run_wait_timeout": 30,
-            "trainer_machine": {
+            "dflash_machine": {
                 "parallel": {
                     "devices": "cpu",
                     "cpu_workers": 1,

@@ -45,13 +45,13 @@ def test_every_problem_is_named_with_where_it_comes_from() -> None:
         "nographs",
         sets=["train.steps=-1", "train.bogus=1"],
         machine={"model": {"nope": 1}},
-        machine_label="inventory variable trainer_machine",
+        machine_label="inventory variable dflash_machine",
     )
     assert result["ok"] is False and "config" not in result
     problems = result["problems"]
     assert len(problems) == 3
     assert problems[0].startswith(
-        "machine config inventory variable trainer_machine: model.nope: unknown key"
+        "machine config inventory variable dflash_machine: model.nope: unknown key"
     )
     assert problems[1].startswith("--set: train.bogus: unknown key (known: steps, ")
     assert problems[2] == "train.steps must be at least 1, got -1"

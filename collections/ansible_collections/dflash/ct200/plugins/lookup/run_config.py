@@ -27,13 +27,13 @@ options:
     type: path
     required: true
   machine:
-    description: The machine config sections (the inventory's C(trainer_machine)).
+    description: The machine config sections (the inventory's C(dflash_machine)).
     type: dict
     default: {}
   machine_label:
     description: How problems of the machine config name it.
     type: str
-    default: inventory variable trainer_machine
+    default: inventory variable dflash_machine
   sets:
     description: C(section.key=value) overrides (C(--set)).
     type: list
