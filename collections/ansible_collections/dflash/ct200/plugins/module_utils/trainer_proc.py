@@ -217,7 +217,9 @@ def target_run(out) -> dict | None:
         return None
     holder = lock_holder(out)
     now = probe(record.get("pid"), record.get("start_time"), record.get("boot_id"), record.get("run"))
-    live = holder is not None and now["state"] == "running"
+    # The recorded PID with its start time, boot id and command line is the run's own process, alive:
+    # live, whatever /proc/locks shows (inside some containers it lists no holder for a held lock).
+    live = now["state"] == "running"
     if holder and not live and holder != record.get("pid"):
         # Held by a start that has not written its record yet: the holder is the run to see.
         live, now = True, {"state": "running", "alive": True, "pid": holder}
