@@ -202,6 +202,7 @@ def measure(name, shape, topology, devices, global_batch, started, log, args, ou
     began = time.perf_counter()
     losses = [topology.step(*b)[0] for b in batches]
     synchronize(devices)
+    losses = [float(loss) for loss in losses]  # after the clock: reading one waits for its step
     step_s = (time.perf_counter() - began) / args.steps
     if args.profile and name == args.profile:
         profile_steps(topology, batch, devices, out_dir / f"trace_{name}.json")

@@ -239,7 +239,7 @@ class ProcessTopology:
         result = self.replica.compute(ids, mask, loss_scale=self._loss_scale)
         # Before the update is queued: this collective then waits only for the backward, and the
         # optimizer step runs on the device while the host prepares the next step.
-        loss_sum, tokens = self.world.sum([result.loss_sum, float(result.tokens)])
+        loss_sum, tokens = self.world.sum([float(result.loss_sum), float(result.tokens)])
         norm = self.replica.apply_update()
         return loss_sum / max(self.global_weight, 1e-12), int(tokens), norm
 

@@ -22,9 +22,22 @@ from .target import shared_parts, target_features
 
 @dataclass
 class StepResult:
-    loss_sum: float
+    loss_sum: torch.Tensor
+    """On the replica's device: reading it waits for the step, so callers read it only to log."""
     weight_sum: float
     tokens: int
+
+
+class StepLoss:
+    """A step's mean loss over the global batch, read from the device(s) only when asked: reading
+    it waits for the step, and the threaded topology's workers queue the next step before that."""
+
+    def __init__(self, loss_sums: list[torch.Tensor], weight_sum: float):
+        self.loss_sums = loss_sums
+        self.weight_sum = weight_sum
+
+    def __float__(self) -> float:
+        return sum(float(loss) for loss in self.loss_sums) / max(self.weight_sum, 1e-12)
 
 
 def lr_lambda(total_steps: int, warmup_frac: float):
@@ -166,7 +179,7 @@ class Replica:
                 blocks.weights,
             )
         (loss_sum * scale if scale != 1.0 else loss_sum).backward()
-        return StepResult(float(loss_sum.detach()), weight_sum, input_ids.numel())
+        return StepResult(loss_sum.detach(), weight_sum, input_ids.numel())
 
     def apply_update(self) -> torch.Tensor:
         """Clip, step the optimizer and the schedule, clear gradients. Returns the gradient norm as

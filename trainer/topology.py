@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from .exchange import GradientExchange
-from .replica import Replica, StepResult
+from .replica import Replica, StepLoss, StepResult
 
 
 class WorkerFailed(Exception):
@@ -74,6 +74,7 @@ class ThreadedTopology:
             else None
         )
         self.inboxes: list[queue.Queue] = [queue.Queue() for _ in replicas]
+        self.step_ends: list[torch.cuda.Event | None] = [None] * len(replicas)
         self.outbox: queue.Queue = queue.Queue()
         self.threads = [
             threading.Thread(target=self._work, args=(rank,), name=f"worker-{rank}", daemon=True)
@@ -124,7 +125,21 @@ class ThreadedTopology:
             )
             self.exchange.finish(rank)
             self.exchange.wait_reduced(rank)
-        return result, replica.apply_update()
+        norm = replica.apply_update()
+        self._bound_queue(rank)
+        return result, norm
+
+    def _bound_queue(self, rank: int) -> None:
+        """Nothing in a step waits for the device, so the host prepares the next step while this
+        one runs (no idle device between steps); it is held back once it is a whole step ahead."""
+        device = self.replicas[rank].device
+        if device.type != "cuda":
+            return
+        previous = self.step_ends[rank]
+        self.step_ends[rank] = torch.cuda.Event()
+        self.step_ends[rank].record(torch.cuda.current_stream(device))
+        if previous is not None:
+            previous.synchronize()
 
     def _collect(self, expected: str, should_stop: Callable[[], bool] | None) -> dict[int, object] | None:
         """Wait for one message per worker; None if should_stop() turns true meanwhile."""
@@ -157,9 +172,9 @@ class ThreadedTopology:
         """Wait until every worker has warmed up. False if should_stop() turned true first."""
         return self._collect("ready", should_stop) is not None
 
-    def step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, int, torch.Tensor]:
-        """One optimisation step on the global batch: (loss, tokens, gradient norm as a tensor on
-        the first device; reading it waits for that replica's update)."""
+    def step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[StepLoss, int, torch.Tensor]:
+        """One optimisation step on the global batch: (loss, read with float(), which waits for the
+        step; tokens; gradient norm as a tensor on the first device, read likewise)."""
         shards_ids = input_ids.chunk(len(self.replicas))
         shards_mask = loss_mask.chunk(len(self.replicas))
         for inbox, ids, mask in zip(self.inboxes, shards_ids, shards_mask, strict=True):
@@ -167,9 +182,8 @@ class ThreadedTopology:
         answers = self._collect("done", None)
         assert answers is not None
         results: list[StepResult] = [answers[rank][0] for rank in range(len(self.replicas))]  # type: ignore[index]
-        loss_sum = sum(r.loss_sum for r in results)
-        weight_sum = sum(r.weight_sum for r in results)
-        return loss_sum / max(weight_sum, 1e-12), sum(r.tokens for r in results), answers[0][1]  # type: ignore[index]
+        loss = StepLoss([r.loss_sum for r in results], sum(r.weight_sum for r in results))
+        return loss, sum(r.tokens for r in results), answers[0][1]  # type: ignore[index]
 
     def worker_rng(self) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         """Every worker's anchor generator state, and every CUDA device's RNG state (key: device)."""

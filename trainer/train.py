@@ -44,7 +44,7 @@ from .evaluate import acceptance_length
 from .model import target_layer_ids
 from .process import ProcessSetupError, ProcessTopology, ProcessWorld, launched_by_torchrun
 from .recompiles import RecompileWatch
-from .replica import Replica
+from .replica import Replica, StepLoss
 from .resume import BadInput, ResumePoint, checkpoint_state, find_resume_point, restore
 from .sinks import Output, open_output
 from .target import load_target, load_tokenizer, num_target_layers
@@ -395,7 +395,7 @@ class Throughput:
         return tokens_per_s, eta, now - self.started
 
 
-def train_step(topology: Topology, loader: Loader) -> tuple[float, int, torch.Tensor]:
+def train_step(topology: Topology, loader: Loader) -> tuple[StepLoss | float, int, torch.Tensor]:
     """One optimisation step: the next global batch through every worker, reduced, applied."""
     input_ids, loss_mask = loader.next_batch()
     return topology.step(input_ids, loss_mask)
@@ -422,7 +422,7 @@ def training_loop(run: Run, step: int) -> int:
         step += 1
         meter.add(tokens)
         if step == total or every(step, cfg.train.log_every):
-            run.log_progress(step, loss, meter)
+            run.log_progress(step, float(loss), meter)
         if (step == total or every(step, cfg.train.eval_every)) and run.evaluate(step) is None:
             return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
         if step == total or every(step, cfg.train.checkpoint_every):

@@ -191,3 +191,11 @@ def test_another_workers_replica_copies_the_first_ones_weights():
     assert all(torch.equal(mine[key], theirs[key]) for key in mine)
     assert all(mine[key].data_ptr() != theirs[key].data_ptr() for key in mine), "copies, not shared"
     assert second.drafter.shared.embed is first.drafter.shared.embed  # the target's, not copied
+
+
+def test_step_loss_is_the_mean_over_every_replicas_weighted_sum():
+    from trainer.replica import StepLoss
+
+    loss = StepLoss([torch.tensor(3.0), torch.tensor(5.0)], weight_sum=4.0)
+    assert float(loss) == 2.0
+    assert float(StepLoss([torch.tensor(0.0)], weight_sum=0.0)) == 0.0  # no weight: no division by 0
