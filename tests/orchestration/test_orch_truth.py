@@ -241,15 +241,20 @@ def test_output_with_checkpoints_needs_resume_or_fresh(state_dir: Path, cleanup:
     wait_for(lambda: run_record(state_dir).get("state") == "finished", what="the run to finish")
     finished = run_record(state_dir)
     assert finished["last_step"] == 4 and finished["exit_status"] == 0
+    status = ctl.status()
+    assert status["state"] == "exited" and status["recorded_state"] == "finished"
+    assert not status["repaired"], "a run that ended since the last look is news, not a repair"
+    assert ledger(state_dir)[-1]["state"] == "finished", "the ledger learns how the run ended"
     metrics = [json.loads(line) for line in (out_of(state_dir) / "metrics.jsonl").read_text().splitlines()]
     tau = [row for row in metrics if row["kind"] == "eval"][-1]["tau"]
 
     with pytest.raises(PlaybookFailed) as again:
         ctl.launch("nographs")
     message = str(again.value)
-    assert "already holds checkpoints (the last at step 4" in message
-    assert "./dev.sh launch nographs -e resume=true" in message
+    assert "has finished" in message and "step 4 of 4" in message
     assert "./dev.sh launch nographs -e fresh=true" in message
+    more_steps = """-e resume=true -e '{"workspace_trainer_set": ["train.steps=8"]}'"""
+    assert more_steps in message, "the way to train further, not a bare resume that is refused"
 
     with pytest.raises(PlaybookFailed) as resumed:
         ctl.launch("nographs", resume=True)
@@ -257,6 +262,17 @@ def test_output_with_checkpoints_needs_resume_or_fresh(state_dir: Path, cleanup:
     assert "has finished" in message and "step 4 of 4" in message
     assert f"tau {tau:.3f}" in message, "the run's real tau, not the first one"
     assert len(ledger(state_dir)) == 1, "nothing was started"
+
+    # The hint's way: resumed with more steps, the run continues from its last checkpoint.
+    longer = make_controller(
+        state_dir, workspace_trainer_set=[*TINY, "train.checkpoint_every=2", "train.steps=8"],
+        run_wait_enabled=False,
+    )  # fmt: skip
+    cleanup.append(longer)
+    longer.launch("nographs", resume=True)
+    wait_for(lambda: run_record(state_dir).get("last_step") == 8, what="the run to reach step 8")
+    wait_for(lambda: run_record(state_dir).get("state") == "finished", what="the run to finish")
+    assert "resumed from" in Path(run_record(state_dir)["log"]).read_text()
 
     earlier = sorted((out_of(state_dir) / "checkpoints").iterdir())
     fresh = make_controller(state_dir, workspace_trainer_set=FOREVER)

@@ -144,8 +144,19 @@ def test_launch_status_stop_through_pct(node: RealHostNode, record_property) -> 
     assert status.ok, status.stdout[-3000:]
     report = status.stats_data()["dflash_status"]
     assert report["state"] == "running" and int(report["pid"]) == record["pid"], report
+    # The log read inside the container through pct_remote, while the trainer runs.
+    logs = node.play("logs.yml", extravars={"lines": 20})
+    assert logs.ok, logs.stdout[-3000:]
+    shown = logs.stats_data()["dflash_logs"]["ct200"]
+    assert shown["alive"] and int(shown["lines_shown"]) > 0, shown
+    assert "step " in logs.stdout, logs.stdout[-3000:]
     stop = node.play("stop.yml")
     assert stop.ok, stop.stdout[-3000:]
+    # Followed after the stop: the run's last lines and how it ended, then the playbook returns.
+    followed = node.play("logs.yml", extravars={"lines": 5, "follow": True})
+    assert followed.ok, followed.stdout[-3000:]
+    ended = followed.stats_data()["dflash_logs"]["ct200"]
+    assert not ended["alive"] and ended["ended"].startswith("stopped at step "), ended
     checkpoints = node.state_dir / "host" / "ct200-workspace" / "runs" / "nographs" / "checkpoints"
     assert sorted(checkpoints.glob("step_*.pt")), f"no checkpoint in {checkpoints}"
     gone = node.pct("exec", VMID, "--", "test", "-e", f"/proc/{record['pid']}")

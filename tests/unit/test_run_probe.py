@@ -172,7 +172,11 @@ def test_a_killed_run_is_exited_with_the_reason_from_its_record(tmp_path, run_mo
     assert result.result["state"] == "exited"
     assert result.result["exit_reason"].startswith("killed: it ended without closing its run record")
     assert result.result["target"]["record"]["state"] == "exited"
-    assert "says exited: cache and ledger repaired" in result.result["target"]["repair"]
+    target = result.result["target"]
+    assert target["repair"] is None, "the cache was right when written: the run ended since, no fault"
+    assert target["ended"] == (
+        f"run {started['record']['run_id']} has exited since the last look: record and ledger updated"
+    )
 
 
 def test_an_output_and_the_disk_before_a_launch(tmp_path, run_module) -> None:

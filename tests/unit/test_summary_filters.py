@@ -1,5 +1,6 @@
-"""dflash.ct200 summary filters: the launch summary worded from each host's launch (role run_wait
-publishes the data), the follow command and the `-i` options repeated in the commands shown."""
+"""dflash.ct200 summary filters: the launch, status and stop summaries worded from each host's data
+(roles run_wait, run_status and run_stop publish it), the follow command and the `-i` options
+repeated in the commands shown."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from ansible_collections.dflash.ct200.plugins.filter.summary import (
     follow_command,
     inventory_options,
     launch_summary,
+    status_block,
+    status_line,
+    stop_block,
 )
 
 REPO = "/home/me/dflash"
@@ -107,3 +111,85 @@ def test_roles_call_the_filters_from_jinja_as_written() -> None:
     )
     assert lines[0] == "run      nographs (nographs-20261130T101500Z-7) on ct200"
     assert lines[-1] == "stop     ./dev.sh stop -i inventory/pair"
+
+
+def status_report(**changes) -> dict:
+    report = {
+        "state": "exited", "run": "nographs", "pid": 11540, "recorded_state": "finished",
+        "exit_status": 0, "exit_reason": "finished", "repaired": None,
+        "log": "/ws/train_compile_nographs.log", "last_progress": "step 150/150 loss 1.4856",
+        "last_checkpoint": {"step": 150, "path": "/ws/runs/nographs/checkpoints/step_00000150.pt"},
+        "last_eval": {"tau": 1.8723, "step": 150}, "gpus": [], "gpu_note": "nvidia-smi not found on PATH",
+    }  # fmt: skip
+    return {**report, **changes}
+
+
+def test_status_line_words_every_state() -> None:
+    assert status_line(status_report()) == (
+        "exited: nographs (PID 11540, recorded finished), exit status 0: finished"
+    )
+    killed = status_report(recorded_state="exited", exit_status=None, exit_reason="killed: ...")
+    assert "exit status unknown: killed: ..." in status_line(killed)
+    assert status_line(status_report(state="running")) == "running: nographs as PID 11540"
+    assert status_line(status_report(state="not_ours")).startswith("not ours: PID 11540 now belongs")
+    assert status_line({"state": "none"}) == "no run recorded"
+
+
+def test_status_block_lines_in_order_with_curves_and_the_gpu_note() -> None:
+    curves = ["  loss     ▅▃▁ 1.4856 at step 150/150"]
+    lines = status_block(status_report(), "ct200", curves, [])
+    assert lines == [
+        "ct200: exited: nographs (PID 11540, recorded finished), exit status 0: finished",
+        "  log      /ws/train_compile_nographs.log",
+        "  progress step 150/150 loss 1.4856",
+        "  ckpt     step 150 /ws/runs/nographs/checkpoints/step_00000150.pt",
+        "  tau      1.872 at step 150",
+        "  loss     ▅▃▁ 1.4856 at step 150/150",
+        "  gpus     nvidia-smi not found on PATH",
+    ]
+
+
+def test_status_block_of_a_fresh_run_with_gpus_and_a_repaired_cache() -> None:
+    report = status_report(
+        state="running", repaired="the controller's cache had no run; ...", last_checkpoint=None,
+        last_eval=None, last_progress=None, log=None, gpus=[{"index": 0}],
+    )  # fmt: skip
+    lines = status_block(report, "ct200", None, ["gpu 0   H200  0 %"])
+    assert lines == [
+        "ct200: running: nographs as PID 11540",
+        "  repaired the controller's cache had no run; ...",
+        "  progress (no progress yet)",
+        "  tau      (no eval yet)",
+        "  gpu 0   H200  0 %",
+    ]
+
+
+def test_stop_block_names_the_run_stopped_or_that_none_was_recorded() -> None:
+    record = {"run": "nographs", "run_id": "nographs-1", "log": "/ws/train.log"}
+    assert stop_block({"msg": "stopped PID 7 after its checkpoint"}, "ct200", record) == [
+        "ct200: stopped PID 7 after its checkpoint",
+        "  run      nographs (nographs-1)",
+        "  log      /ws/train.log",
+    ]
+    result = {"msg": "no run is recorded for this host", "repair": "cache had run x"}
+    nothing = stop_block(result, "ct200", None)
+    assert nothing == [
+        "ct200: no run is recorded for this host",
+        "  repaired cache had run x",
+        "  run      none recorded",
+        "  log      -",
+    ]
+
+
+def test_roles_call_the_status_and_stop_filters_from_jinja_as_written() -> None:
+    """The calls of roles/run_status and roles/run_stop, through ansible's own templating."""
+    templar = Templar(
+        loader=DataLoader(),
+        variables={"report": status_report(), "result": {"msg": "done"}, "record": {}},
+    )
+    block = templar.template(trust_as_template("{{ report | dflash.ct200.status_block('ct200', [], []) }}"))
+    assert block[0].startswith("ct200: exited: nographs")
+    line = templar.template(trust_as_template("{{ report | dflash.ct200.status_line }}"))
+    assert line == block[0].removeprefix("ct200: ")
+    stop = templar.template(trust_as_template("{{ result | dflash.ct200.stop_block('ct200', record) }}"))
+    assert stop == ["ct200: done", "  run      none recorded", "  log      -"]

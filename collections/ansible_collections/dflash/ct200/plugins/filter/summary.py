@@ -1,8 +1,8 @@
 # Copyright: contributors to the DFlash CT 200 project
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Filters that word what a playbook did for people: the launch summary (role run_wait publishes
-each host's launch as data, this renders the lines the run_summary callback prints) and the
-`-i INVENTORY` options to repeat in the commands it suggests."""
+"""Filters that word what a playbook did for people: the launch, status and stop summaries (the
+roles publish each host's launch, status or stop as data, these render the lines the run_summary
+callback prints) and the `-i INVENTORY` options to repeat in the commands they suggest."""
 
 from __future__ import annotations
 
@@ -74,10 +74,72 @@ def launch_summary(launches: list[dict], endpoint: str = "", inventory: str = ""
     return lines
 
 
+def status_line(report: dict) -> str:
+    """One line for a host's state in role run_status's report (state, run, pid, recorded_state,
+    exit_status, exit_reason)."""
+    state, run, pid = report.get("state"), report.get("run"), report.get("pid")
+    if state == "running":
+        return f"running: {run} as PID {pid}"
+    if state == "exited":
+        status = report.get("exit_status")
+        status = "unknown" if status is None else status
+        return (
+            f"exited: {run} (PID {pid}, recorded {report.get('recorded_state')}), "
+            f"exit status {status}: {report.get('exit_reason')}"
+        )
+    if state == "not_ours":
+        return f"not ours: PID {pid} now belongs to another process; run {run} is gone"
+    return "no run recorded"
+
+
+def status_block(
+    report: dict, host: str, curves: list[str] | None = None, gpu_lines: list[str] | None = None
+) -> list[str]:
+    """A host's lines of the status summary: the state, a repair of the controller's cache if
+    any, the log, progress, newest checkpoint, tau, the `curves` (curve_lines) and the GPUs
+    (`gpu_lines` as run_probe words them, else the note why none were read)."""
+    lines = [f"{host}: {status_line(report)}"]
+    if report.get("repaired"):
+        lines.append("  " + _labelled("repaired", report["repaired"]))
+    if report.get("log"):
+        lines.append("  " + _labelled("log", report["log"]))
+    lines.append("  " + _labelled("progress", report.get("last_progress") or "(no progress yet)"))
+    checkpoint = report.get("last_checkpoint")
+    if checkpoint:
+        lines.append("  " + _labelled("ckpt", f"step {checkpoint['step']} {checkpoint['path']}"))
+    evaluation = report.get("last_eval")
+    tau = f"{evaluation['tau']:.3f} at step {evaluation['step']}" if evaluation else "(no eval yet)"
+    lines.append("  " + _labelled("tau", tau))
+    lines += list(curves or [])
+    if report.get("gpus"):
+        lines += ["  " + line for line in gpu_lines or []]
+    else:
+        lines.append("  " + _labelled("gpus", report.get("gpu_note")))
+    return lines
+
+
+def stop_block(result: dict, host: str, record: dict | None) -> list[str]:
+    """A host's lines of the stop summary: what the stop did (trainer_stop's msg), a repair of the
+    controller's cache if any, and the run and log of the `record` stopped (or recorded)."""
+    record = record or {}
+    lines = [f"{host}: {result.get('msg')}"]
+    if result.get("repair"):
+        lines.append("  " + _labelled("repaired", result["repair"]))
+    if record.get("run_id"):
+        lines.append("  " + _labelled("run", f"{record.get('run')} ({record['run_id']})"))
+    else:
+        lines.append("  " + _labelled("run", "none recorded"))
+    lines.append("  " + _labelled("log", record.get("log") or "-"))
+    return lines
+
+
 class FilterModule:
     def filters(self):
         return {
             "inventory_options": inventory_options,
             "follow_command": follow_command,
             "launch_summary": launch_summary,
+            "status_line": status_line,
+            "status_block": status_block,
+            "stop_block": stop_block,
         }

@@ -246,9 +246,13 @@ def reconcile(recorded: dict | None, runs: list[dict]) -> dict:
     """Which run the controller should see, and whether its cache disagrees with the target.
 
     Returns {"run": the chosen target run or None, "record": the controller record to keep,
-    "repair": one line saying what was wrong with the cache, or None}. A live run wins (the one the
-    cache names if several live), else the run the cache names, else the newest on the target.
-    A cached final state (stopped by stop.yml, failed at launch) is kept: it says what happened.
+    "repair": one line saying what was wrong with the cache, or None, "ended": one line saying
+    that the cached run has ended since the controller last looked, or None}. The controller
+    cannot see a run end, so a run the cache holds as running that has ended is news, not a fault
+    of the cache: it is said in "ended", and a repair only where the cache names another run than the
+    target. A live run wins (the one the cache names if several live), else the run the cache
+    names, else the newest on the target. A cached final state (stopped by stop.yml, failed at
+    launch) is kept: it says what happened.
     """
     recorded = recorded if isinstance(recorded, dict) else {}
     by_id = {run["record"]["run_id"]: run for run in runs}
@@ -261,7 +265,7 @@ def reconcile(recorded: dict | None, runs: list[dict]) -> dict:
     elif runs and str(runs[0]["record"].get("started_at", "")) >= str(recorded.get("started_at", "")):
         chosen = runs[0]
     else:
-        return {"run": None, "record": recorded or None, "repair": None}
+        return {"run": None, "record": recorded or None, "repair": None, "ended": None}
     truth = {key: chosen["record"].get(key) for key in CONTROLLER_FIELDS}
     if chosen["live"] and chosen["probe"].get("pid") != truth["pid"]:
         truth["pid"] = chosen["probe"]["pid"]
@@ -272,16 +276,13 @@ def reconcile(recorded: dict | None, runs: list[dict]) -> dict:
             f"the controller's cache had {had}; the target holds run {truth['run_id']} "
             f"({chosen['state']}, PID {truth['pid']}): cache and ledger repaired"
         )
-        return {"run": chosen, "record": record, "repair": repair}
+        return {"run": chosen, "record": record, "repair": repair, "ended": None}
     record = {**recorded, **{key: value for key, value in truth.items() if value is not None}}
     if recorded.get("state", "running") == "running" and chosen["state"] != "running":
         record["state"] = chosen["state"]
-        repair = (
-            f"the controller's cache said run {truth['run_id']} is running; the target says "
-            f"{chosen['state']}: cache and ledger repaired"
-        )
-        return {"run": chosen, "record": record, "repair": repair}
-    return {"run": chosen, "record": record, "repair": None}
+        ended = f"run {truth['run_id']} has {chosen['state']} since the last look: record and ledger updated"
+        return {"run": chosen, "record": record, "repair": None, "ended": ended}
+    return {"run": chosen, "record": record, "repair": None, "ended": None}
 
 
 def progress_line(out: str | None, steps: int | None) -> str | None:

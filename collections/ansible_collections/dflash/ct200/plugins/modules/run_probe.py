@@ -60,8 +60,9 @@ options:
       - The workspace's runs directory (C(<workspace>/runs)). With it, the truth comes from the target
         first; every output's run record (C(<out>/run.json)) and lock (C(<runs>/.<run>.lock)) are read,
         and the run to report is the live one, else the one O(recorded) names, else the newest.
-      - RV(target.repair) says in one line where the controller's cache (O(recorded)) disagrees, and
-        RV(target.record) is the record to keep in the cache and the ledger.
+      - RV(target.repair) says in one line where the controller's cache (O(recorded)) disagrees,
+        RV(target.ended) where the run it holds as running has ended since, and RV(target.record) is
+        the record to keep in the cache and the ledger.
     type: path
   out:
     description:
@@ -184,7 +185,10 @@ target:
       description: The record to keep in the controller's cache and ledger.
       type: dict
     repair:
-      description: One line where the controller's cache (O(recorded)) disagreed with the target, else null.
+      description: One line where the controller's cache (O(recorded)) named another run, or null.
+      type: str
+    ended:
+      description: One line where the run the cache holds as running has ended since it was cached, else null.
       type: str
     live_runs:
       description: The runs whose trainer is alive (run, run_id, pid, out, started_at).
@@ -320,6 +324,7 @@ def target_report(module: AnsibleModule) -> dict:
         "target": {
             "record": chosen["record"],
             "repair": chosen["repair"],
+            "ended": chosen["ended"],
             "live_runs": [
                 {key: item["record"].get(key) for key in ("run", "run_id", "pid", "out", "started_at")}
                 for item in runs

@@ -79,7 +79,7 @@ record:
   type: dict
   returned: with O(runs_dir)
 repair:
-  description: With O(runs_dir), one line where the controller's cache disagreed with the target, else null.
+  description: With O(runs_dir), one line where the controller's cache named another run, else null.
   type: str
   returned: with O(runs_dir)
 pid:
