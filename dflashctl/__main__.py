@@ -3,8 +3,8 @@ python -m dflashctl logs [--lines N] [--follow]: print the recorded run's log (a
 python -m dflashctl runs [--run NAME] [--json]: the history of runs, a table (or JSON rows).
 python -m dflashctl report RUN [RUN ...]: render their curves into one PNG, print its path.
 
-`launch RUN [--resume | --fresh]`: continue the run's output, or start over (the earlier output
-is moved aside, never deleted).
+`launch RUN [--resume | --fresh] [--steps N]`: continue the run's output, or start over (the
+earlier output is moved aside, never deleted); --steps sets the run's step count (train.steps).
 
 Without --by-host: the first host's result (the only host of a one-host inventory); with it:
 {host: result} for every host of group trainers, in inventory order."""
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("run", help="run name, a profile in trainer/runs/")
     launch.add_argument("--resume", action="store_true", help="continue the run from its checkpoint")
     launch.add_argument("--fresh", action="store_true", help="start over; the earlier output is moved aside")
+    launch.add_argument("--steps", type=int, help="the run's step count (train.steps), e.g. with --resume")
     sub.add_parser("status", parents=[every], help="report the recorded run (playbooks/status.yml)")
     sub.add_parser("stop", parents=[every], help="stop the recorded run (playbooks/stop.yml)")
     export = sub.add_parser(
@@ -75,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             print(result["path"])
             return 0
         elif args.command == "launch":
-            extravars = {key: True for key in ("resume", "fresh") if getattr(args, key)}
+            extravars: dict = {key: True for key in ("resume", "fresh") if getattr(args, key)}
+            if args.steps is not None:
+                extravars["steps"] = args.steps
             launch_run = controller.launch_by_host if args.by_host else controller.launch
             result = launch_run(args.run, **extravars)
         elif args.command == "status":

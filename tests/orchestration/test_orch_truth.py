@@ -253,8 +253,7 @@ def test_output_with_checkpoints_needs_resume_or_fresh(state_dir: Path, cleanup:
     message = str(again.value)
     assert "has finished" in message and "step 4 of 4" in message
     assert "./dev.sh launch nographs -e fresh=true" in message
-    more_steps = """-e resume=true -e '{"workspace_trainer_set": ["train.steps=8"]}'"""
-    assert more_steps in message, "the way to train further, not a bare resume that is refused"
+    assert "./dev.sh launch nographs -e resume=true -e steps=8" in message, "a way that is not refused"
 
     with pytest.raises(PlaybookFailed) as resumed:
         ctl.launch("nographs", resume=True)
@@ -263,13 +262,12 @@ def test_output_with_checkpoints_needs_resume_or_fresh(state_dir: Path, cleanup:
     assert f"tau {tau:.3f}" in message, "the run's real tau, not the first one"
     assert len(ledger(state_dir)) == 1, "nothing was started"
 
+    with pytest.raises(PlaybookFailed) as bad_steps:
+        ctl.launch("nographs", resume=True, steps="many")
+    assert "steps must be a whole number of at least 1 (got \"many\")" in str(bad_steps.value)
+
     # The hint's way: resumed with more steps, the run continues from its last checkpoint.
-    longer = make_controller(
-        state_dir, workspace_trainer_set=[*TINY, "train.checkpoint_every=2", "train.steps=8"],
-        run_wait_enabled=False,
-    )  # fmt: skip
-    cleanup.append(longer)
-    longer.launch("nographs", resume=True)
+    ctl.launch("nographs", resume=True, steps=8)
     wait_for(lambda: run_record(state_dir).get("last_step") == 8, what="the run to reach step 8")
     wait_for(lambda: run_record(state_dir).get("state") == "finished", what="the run to finish")
     assert "resumed from" in Path(run_record(state_dir)["log"]).read_text()
