@@ -39,7 +39,6 @@ MFU = counted FLOPs / time / (989 TFLOP/s dense bf16 per H200 on paper x GPUs); 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -332,8 +331,15 @@ def profile_steps(topology, batch, devices, trace_path: Path) -> None:
         synchronize(devices)
     sort = "cuda_time_total" if devices[0].type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70), flush=True)
-    with contextlib.suppress(Exception):
+    try:
         prof.export_chrome_trace(str(trace_path))
+        if devices[0].type == "cuda":
+            from trace_gaps import summarise
+
+            print(f"where the time went ({len(devices)} GPU(s), {trace_path.name}):", flush=True)
+            print(summarise(trace_path, steps=2), flush=True)
+    except Exception as error:  # a benchmark's figures stand without the trace
+        print(f"trace not written or read: {error!r}", flush=True)
 
 
 def format_row(r: dict) -> str:
