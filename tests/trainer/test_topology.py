@@ -199,3 +199,125 @@ def test_step_loss_is_the_mean_over_every_replicas_weighted_sum():
     loss = StepLoss([torch.tensor(3.0), torch.tensor(5.0)], weight_sum=4.0)
     assert float(loss) == 2.0
     assert float(StepLoss([torch.tensor(0.0)], weight_sum=0.0)) == 0.0  # no weight: no division by 0
+
+
+# -- sharded optimizer update -----------------------------------------------------------------
+
+
+def test_sharded_layout_pads_buckets_into_equal_aligned_slices():
+    from trainer.exchange import plan_layout
+
+    unsharded = plan_layout([2, 1, 0], [5, 7, 3], element_bytes=4, bucket_bytes=40)
+    assert unsharded.starts == [0, 5, 12] and unsharded.spans == [(0, 12), (12, 15)]  # back to back
+    layout = plan_layout([2, 1, 0], [5, 7, 3], element_bytes=4, bucket_bytes=40, parts=3, align=4)
+    assert layout.starts == [0, 8, 24]  # each parameter starts aligned
+    assert layout.spans == [(0, 24), (24, 36)]  # 5 + pad 3 + 7 + pad 9 -> 24 = 3 slices of 8
+    assert [layout.owned(0, part) for part in range(3)] == [(0, 8), (8, 16), (16, 24)]
+    assert [layout.owned(1, part) for part in range(3)] == [(24, 28), (28, 32), (32, 36)]
+
+
+def _run_workers(work, count):
+    errors = []
+
+    def guarded(rank):
+        try:
+            work(rank)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(rank,)) for rank in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+
+
+def _weights(count):
+    return [float(rank + 2) for rank in range(count)]
+
+
+def _unsharded_exchange_grads(devices, bucket_bytes) -> list[torch.Tensor]:
+    """The gradients (on the CPU) the unsharded exchange gives every replica in one step."""
+    replicas = _replicas(devices)
+    exchange = GradientExchange(replicas, timeout_s=60, bucket_bytes=bucket_bytes)
+    try:
+        for rank in range(len(devices)):
+            exchange.attach(rank)
+        _step(exchange, replicas, _inputs(len(devices)), _weights(len(devices)))
+        return [param.grad.cpu() for param in replicas[0].params]
+    finally:
+        exchange.close()
+
+
+def _sharded_exchange_checks(devices, bucket_bytes, expected, exact):
+    """Reduce-scatter (against the `expected` gradient sums), norm sum and gather of a sharded
+    exchange, one step on the replicas of `devices`."""
+    count = len(devices)
+    replicas = _replicas(devices)
+    inputs, weights = _inputs(count), _weights(count)
+    exchange = GradientExchange(replicas, timeout_s=60, bucket_bytes=bucket_bytes, shard=True)
+    same = torch.equal if exact else lambda a, b: torch.allclose(a, b, atol=1e-5)
+    layout = exchange.layout
+    try:
+        for rank, replica in enumerate(replicas):
+            before = [param.detach().clone() for param in replica.params]
+            exchange.flatten_parameters(rank)
+            exchange.attach(rank)
+            for position, index in enumerate(layout.order):  # the same values, now in the buffer
+                param = replica.params[index]
+                assert param.data_ptr() == exchange.param_flats[rank][layout.starts[position]].data_ptr()
+                assert torch.equal(param, before[index])
+        _step(exchange, replicas, inputs, weights)
+        want = torch.zeros(layout.total)  # the summed gradients, laid out like the buffers
+        for position, index in enumerate(layout.order):
+            want[slice(*layout.extent(position))] = expected[index].reshape(-1)
+        for rank, replica in enumerate(replicas):
+            for bucket in range(len(layout.buckets)):
+                owned = slice(*layout.owned(bucket, rank))
+                assert same(replica.grad_buffer[owned].cpu(), want[owned])
+        sums = [None] * count
+
+        def sum_then_update(rank):
+            device = replicas[rank].device
+            sums[rank] = exchange.sum_across_replicas(rank, torch.tensor(rank + 1.0, device=device))
+            exchange.param_flats[rank][slice(*layout.owned(0, rank))] = rank + 1.0  # "the update"
+            exchange.share_update(rank)
+            exchange.wait_gathered(rank)
+
+        _run_workers(sum_then_update, count)
+        for rank, replica in enumerate(replicas):
+            assert float(sums[rank]) == count * (count + 1) / 2
+            begin, end = layout.spans[0]
+            gathered = exchange.param_flats[rank][begin:end].cpu()
+            width = (end - begin) // count
+            assert torch.equal(gathered, torch.arange(1.0, count + 1).repeat_interleave(width))
+            first, end = layout.extent(0)  # the module sees it: its parameters are views
+            assert torch.equal(
+                replica.params[layout.order[0]].detach().reshape(-1).cpu(), gathered[first:end]
+            )
+    finally:
+        exchange.close()
+
+
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 64])
+def test_cpu_sharded_exchange_reduce_scatters_sums_and_gathers(count, bucket_bytes):
+    devices = ["cpu"] * count
+    expected = _expected_grads(_replicas(devices), _inputs(count), _weights(count))
+    assert all(
+        torch.equal(mine, theirs)
+        for mine, theirs in zip(_unsharded_exchange_grads(devices, bucket_bytes), expected, strict=True)
+    )
+    _sharded_exchange_checks(devices, bucket_bytes, expected, exact=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL reduce-scatter and all-gather)"
+)
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 64])
+def test_nccl_sharded_exchange_matches_the_unsharded_one(bucket_bytes):
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    expected = _unsharded_exchange_grads(devices, bucket_bytes)  # NCCL all-reduce
+    _sharded_exchange_checks(devices, bucket_bytes, expected, exact=False)
