@@ -99,6 +99,8 @@ SETTINGS = {
     # (no overlap), to see what the overlap is worth.
     "nographs-one-bucket": ("nographs", ["parallel.bucket_mb=1000000"]),
     "process-nographs-bucket25": ("process", ["parallel.bucket_mb=25"]),  # DDP's default size
+    # Each GPU updates only its slice of the parameters (reduce-scatter, sharded AdamW, all-gather).
+    "nographs-sharded": ("nographs", ["parallel.shard_optimizer=true"]),
 }
 DEFAULT_SETTINGS = ("eager", "nographs", "max-autotune-no-cudagraphs")
 PROCESS_PROFILES = ("process", "graphs")  # run profiles whose run.topology is process

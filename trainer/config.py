@@ -246,6 +246,13 @@ class ParallelConfig:
     soon as every replica's backward has finished it, overlapping the rest of the backward (DDP's
     bucket_cap_mb in the process topology). Larger buckets mean fewer, larger transfers and less
     overlap; one bucket larger than the gradients means no overlap at all."""
+    shard_optimizer: bool = False
+    """Threaded topology with several workers: each worker updates only its own slice of every
+    gradient bucket (the buckets are reduce-scattered instead of all-reduced, gradients are clipped
+    by the global norm, the optimizer state is split across workers), then the updated slices are
+    all-gathered into every replica while the next step's target forward runs. Checkpoints keep the
+    unsharded optimizer state, so a run may resume with this on or off. No effect with one worker
+    or in the process topology."""
 
     def problems(self) -> list[str]:
         out = []

@@ -11,6 +11,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from .config import Config
 from .model import DFlashDrafter, DrafterObjective, DrafterShape
 from .objective import build_blocks, sample_anchors
 from .target import shared_parts, target_features
+
+if TYPE_CHECKING:
+    from .sharding import OptimizerShard
 
 
 @dataclass
@@ -93,23 +97,34 @@ class Replica:
         """What the step calls: the objective, or a wrapper around it (DDP in the process topology)."""
         self.forward = self.module
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        # fused: one kernel for the whole update on CUDA (the foreach default takes ~8% of a step
-        # at the Qwen3-8B shape); CPU keeps the default implementation.
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=cfg.train.lr,
-            weight_decay=cfg.train.weight_decay,
-            betas=(0.9, 0.95),
-            fused=device.type == "cuda",
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.train.steps, cfg.train.warmup_frac)
-        )
+        self.shard: OptimizerShard | None = None
+        """The slices this replica updates when the optimizer is sharded (threaded topology)."""
+        self._build_optimizer(self.params)
         # Per-worker anchor sampling stream; its state is saved in every checkpoint.
         self.anchor_generator = torch.Generator().manual_seed(cfg.train.seed * 1000 + rank + 1)
         self.autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
         self.grad_buffer: torch.Tensor | None = None
         """One flat tensor the gradients are views of (threaded exchange): zeroed, never dropped."""
+
+    def _build_optimizer(self, params: list[torch.nn.Parameter]) -> None:
+        # fused: one kernel for the whole update on CUDA (the foreach default takes ~8% of a step
+        # at the Qwen3-8B shape); CPU keeps the default implementation.
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=self.cfg.train.lr,
+            weight_decay=self.cfg.train.weight_decay,
+            betas=(0.9, 0.95),
+            fused=self.device.type == "cuda",
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(self.cfg.train.steps, self.cfg.train.warmup_frac)
+        )
+
+    def use_shard(self, shard: OptimizerShard) -> None:
+        """Update only this shard of the parameters: a new optimizer and schedule over its slices
+        (before any step; the unsharded state is empty then)."""
+        self.shard = shard
+        self._build_optimizer(shard.params)
 
     def wrap(self, wrapper: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
         """Put a wrapper around the objective (DDP in the process topology); before compile()."""
@@ -139,7 +154,8 @@ class Replica:
         ids = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long)
         mask = torch.ones_like(ids)
         self.compute(ids, mask, torch.Generator().manual_seed(0))
-        self.optimizer.zero_grad(set_to_none=True)
+        for param in self.params:
+            param.grad = None
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -166,6 +182,9 @@ class Replica:
         scale = 1.0 if loss_scale is None else loss_scale(weight_sum)
         blocks = blocks.to(self.device)
         features = target_features(self.target, input_ids.to(self.device), self.layer_ids)
+        if self.shard is not None:
+            # Here, not before the target's forward: the gather of the last update overlaps it.
+            self.shard.wait_for_parameters()
         if self.cfg.compile.uses_cudagraphs:
             # A new step: outputs of the previous replay may be overwritten from here on.
             torch.compiler.cudagraph_mark_step_begin()
@@ -183,12 +202,19 @@ class Replica:
 
     def apply_update(self) -> torch.Tensor:
         """Clip, step the optimizer and the schedule, clear gradients. Returns the gradient norm as
-        a tensor: reading it waits for the device, so the caller reads it only when it needs it."""
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip or float("inf"))
+        a tensor: reading it waits for the device, so the caller reads it only when it needs it.
+        Sharded: the norm is the global one, and the update is shared with the other replicas."""
+        max_norm = self.cfg.train.grad_clip or float("inf")
+        if self.shard is None:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        else:
+            norm = self.shard.clip_by_global_norm(max_norm)
         self.optimizer.step()
         self.scheduler.step()
         if self.grad_buffer is not None:
             self.grad_buffer.zero_()
         else:
             self.optimizer.zero_grad(set_to_none=True)
+        if self.shard is not None:
+            self.shard.share_update()
         return norm.detach()

@@ -31,6 +31,7 @@ from .checkpoint import (
 )
 from .config import Config, config_from_dict
 from .data import Loader
+from .sharding import load_optimizer_state, optimizer_state, wait_for_parameters
 
 CHECKPOINT_FORMAT = 1
 
@@ -43,12 +44,13 @@ def checkpoint_state(step: int, cfg: Config, topology, loader: Loader, tau0: flo
     """The whole training state at `step` (a collective in the process topology)."""
     first = topology.replicas[0]
     workers, cuda_states = topology.worker_rng()
+    wait_for_parameters(topology.replicas)
     return {
         "format": CHECKPOINT_FORMAT,
         "step": step,
         "config": cfg.to_dict(),
         "drafter": first.drafter.state_dict(),
-        "optimizer": first.optimizer.state_dict(),
+        "optimizer": optimizer_state(topology.replicas),
         "scheduler": first.scheduler.state_dict(),
         "data": loader.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "cuda": cuda_states, "workers": workers},
@@ -182,7 +184,8 @@ def restore(state: dict, topology, loader: Loader) -> None:
     """Put a checkpoint's state into every replica, the loader and the random generators."""
     for replica in topology.replicas:
         replica.drafter.load_state_dict(state["drafter"])
-        replica.optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(topology.replicas, state["optimizer"])
+    for replica in topology.replicas:
         replica.scheduler.load_state_dict(state["scheduler"])
     loader.load_state_dict(state["data"])
     torch.set_rng_state(state["rng"]["torch"])

@@ -6,7 +6,8 @@ worker's queue; each worker runs forward and backward on its own replica while t
 applies the update itself, so the replicas' optimizer steps run side by side and every replica
 applies the same update (as DDP does: identical gradients and optimizer states keep replicas
 identical). The coordinator collects the answers. With one worker there is nothing to exchange: the
-worker scales its gradients by 1 / loss-weight sum.
+worker scales its gradients by 1 / loss-weight sum. With parallel.shard_optimizer each worker updates
+only its slice of the parameters and the exchange gathers the slices (trainer/sharding.py).
 
 A worker that raises sends its traceback to the coordinator, which stops every worker and raises
 WorkerFailed; workers are daemon threads blocked only on their queues, so none can hang the exit.
@@ -26,6 +27,7 @@ import torch
 
 from .exchange import GradientExchange
 from .replica import Replica, StepLoss, StepResult
+from .sharding import OptimizerShard
 
 
 class WorkerFailed(Exception):
@@ -68,11 +70,17 @@ class ThreadedTopology:
         self.step_timeout_s = step_timeout_s
         self.log = log
         self.compile_lock = threading.Lock()
+        parallel = replicas[0].cfg.parallel
+        shard = parallel.shard_optimizer and len(replicas) > 1
         self.exchange = (
-            GradientExchange(replicas, step_timeout_s, replicas[0].cfg.parallel.bucket_mb << 20)
+            GradientExchange(replicas, step_timeout_s, parallel.bucket_mb << 20, shard=shard)
             if len(replicas) > 1
             else None
         )
+        if shard:
+            # Before the workers compile: the parameters move into the exchange's flat buffers.
+            for rank, replica in enumerate(replicas):
+                replica.use_shard(OptimizerShard(self.exchange, rank))
         self.inboxes: list[queue.Queue] = [queue.Queue() for _ in replicas]
         self.step_ends: list[torch.cuda.Event | None] = [None] * len(replicas)
         self.outbox: queue.Queue = queue.Queue()

@@ -46,6 +46,7 @@ from .process import ProcessSetupError, ProcessTopology, ProcessWorld, launched_
 from .recompiles import RecompileWatch
 from .replica import Replica, StepLoss
 from .resume import BadInput, ResumePoint, checkpoint_state, find_resume_point, restore
+from .sharding import wait_for_parameters
 from .sinks import Output, open_output
 from .target import load_target, load_tokenizer, num_target_layers
 from .topology import ThreadedTopology, ThreadedWorld
@@ -319,6 +320,7 @@ class Run:
     def evaluate(self, step: int) -> float | None:
         """tau on the held-out prompts (rank 0's, logged on every host); None if a stop came."""
         m = self.models
+        wait_for_parameters(m.replicas)
         tau = acceptance_length(
             m.replicas[0].drafter, m.target, self.eval_prompts, m.layer_ids, self.cfg.drafter.block_size,
             m.mask_id, self.cfg.train.eval_max_new_tokens, m.chat.end_id, m.replicas[0].device, self.stop,

@@ -162,6 +162,11 @@ def test_machine_example_is_valid_shape(tmp_path):
     assert load_config("nographs", str(machine)).data.regen_max_new_tokens == 1024
 
 
+def test_shard_optimizer_is_off_unless_asked():
+    assert load_config("nographs").parallel.shard_optimizer is False
+    assert load_config("nographs", sets=["parallel.shard_optimizer=true"]).parallel.shard_optimizer is True
+
+
 BAD_INPUT = [
     (["--run", "nosuchrun"], "unknown run 'nosuchrun'; known runs:"),
     (["--run", "nographs", "--set", "train.nope=1"], "train.nope: unknown key"),
@@ -183,6 +188,10 @@ BAD_INPUT = [
     (["--run", "nographs", "--set", "parallel.devices=cuda:3"], "cuda:3 is not usable here"),
     (["--run", "nographs", "--set", "compile.mode=reduce-overhead"], "thread-local storage"),
     (["--run", "nographs", "--set", "parallel.bucket_mb=0"], "parallel.bucket_mb must be at least 1"),
+    (
+        ["--run", "nographs", "--set", "parallel.shard_optimizer=sometimes"],
+        "parallel.shard_optimizer: expected true or false",
+    ),
     (["--run", "nographs", "--config", "/nonexistent/machine.yml"], "does not exist"),
 ]
 

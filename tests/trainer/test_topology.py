@@ -199,3 +199,263 @@ def test_step_loss_is_the_mean_over_every_replicas_weighted_sum():
     loss = StepLoss([torch.tensor(3.0), torch.tensor(5.0)], weight_sum=4.0)
     assert float(loss) == 2.0
     assert float(StepLoss([torch.tensor(0.0)], weight_sum=0.0)) == 0.0  # no weight: no division by 0
+
+
+# -- sharded optimizer update -----------------------------------------------------------------
+
+
+def test_sharded_layout_pads_buckets_into_equal_aligned_slices():
+    from trainer.exchange import plan_layout
+
+    unsharded = plan_layout([2, 1, 0], [5, 7, 3], element_bytes=4, bucket_bytes=40)
+    assert unsharded.starts == [0, 5, 12] and unsharded.spans == [(0, 12), (12, 15)]  # back to back
+    layout = plan_layout([2, 1, 0], [5, 7, 3], element_bytes=4, bucket_bytes=40, parts=3, align=4)
+    assert layout.starts == [0, 8, 24]  # each parameter starts aligned
+    assert layout.spans == [(0, 24), (24, 36)]  # 5 + pad 3 + 7 + pad 9 -> 24 = 3 slices of 8
+    assert [layout.owned(0, part) for part in range(3)] == [(0, 8), (8, 16), (16, 24)]
+    assert [layout.owned(1, part) for part in range(3)] == [(24, 28), (28, 32), (32, 36)]
+
+
+def _run_workers(work, count):
+    errors = []
+
+    def guarded(rank):
+        try:
+            work(rank)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(rank,)) for rank in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+
+
+def _weights(count):
+    return [float(rank + 2) for rank in range(count)]
+
+
+def _unsharded_exchange_grads(devices, bucket_bytes) -> list[torch.Tensor]:
+    """The gradients (on the CPU) the unsharded exchange gives every replica in one step."""
+    replicas = _replicas(devices)
+    exchange = GradientExchange(replicas, timeout_s=60, bucket_bytes=bucket_bytes)
+    try:
+        for rank in range(len(devices)):
+            exchange.attach(rank)
+        _step(exchange, replicas, _inputs(len(devices)), _weights(len(devices)))
+        return [param.grad.cpu() for param in replicas[0].params]
+    finally:
+        exchange.close()
+
+
+def _sharded_exchange_checks(devices, bucket_bytes, expected, exact):
+    """Reduce-scatter (against the `expected` gradient sums), norm sum and gather of a sharded
+    exchange, one step on the replicas of `devices`."""
+    count = len(devices)
+    replicas = _replicas(devices)
+    inputs, weights = _inputs(count), _weights(count)
+    exchange = GradientExchange(replicas, timeout_s=60, bucket_bytes=bucket_bytes, shard=True)
+    same = torch.equal if exact else lambda a, b: torch.allclose(a, b, atol=1e-5)
+    layout = exchange.layout
+    try:
+        for rank, replica in enumerate(replicas):
+            before = [param.detach().clone() for param in replica.params]
+            exchange.flatten_parameters(rank)
+            exchange.attach(rank)
+            for position, index in enumerate(layout.order):  # the same values, now in the buffer
+                param = replica.params[index]
+                assert param.data_ptr() == exchange.param_flats[rank][layout.starts[position]].data_ptr()
+                assert torch.equal(param, before[index])
+        _step(exchange, replicas, inputs, weights)
+        want = torch.zeros(layout.total)  # the summed gradients, laid out like the buffers
+        for position, index in enumerate(layout.order):
+            want[slice(*layout.extent(position))] = expected[index].reshape(-1)
+        for rank, replica in enumerate(replicas):
+            for bucket in range(len(layout.buckets)):
+                owned = slice(*layout.owned(bucket, rank))
+                assert same(replica.grad_buffer[owned].cpu(), want[owned])
+        sums = [None] * count
+
+        def sum_then_update(rank):
+            device = replicas[rank].device
+            sums[rank] = exchange.sum_across_replicas(rank, torch.tensor(rank + 1.0, device=device))
+            exchange.param_flats[rank][slice(*layout.owned(0, rank))] = rank + 1.0  # "the update"
+            exchange.share_update(rank)
+            exchange.wait_gathered(rank)
+
+        _run_workers(sum_then_update, count)
+        for rank, replica in enumerate(replicas):
+            assert float(sums[rank]) == count * (count + 1) / 2
+            begin, end = layout.spans[0]
+            gathered = exchange.param_flats[rank][begin:end].cpu()
+            width = (end - begin) // count
+            assert torch.equal(gathered, torch.arange(1.0, count + 1).repeat_interleave(width))
+            first, end = layout.extent(0)  # the module sees it: its parameters are views
+            assert torch.equal(
+                replica.params[layout.order[0]].detach().reshape(-1).cpu(), gathered[first:end]
+            )
+    finally:
+        exchange.close()
+
+
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 64])
+def test_cpu_sharded_exchange_reduce_scatters_sums_and_gathers(count, bucket_bytes):
+    devices = ["cpu"] * count
+    expected = _expected_grads(_replicas(devices), _inputs(count), _weights(count))
+    assert all(
+        torch.equal(mine, theirs)
+        for mine, theirs in zip(_unsharded_exchange_grads(devices, bucket_bytes), expected, strict=True)
+    )
+    _sharded_exchange_checks(devices, bucket_bytes, expected, exact=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL reduce-scatter and all-gather)"
+)
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 64])
+def test_nccl_sharded_exchange_matches_the_unsharded_one(bucket_bytes):
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    expected = _unsharded_exchange_grads(devices, bucket_bytes)  # NCCL all-reduce
+    _sharded_exchange_checks(devices, bucket_bytes, expected, exact=False)
+
+
+def _tiny_topology(workers: int, shard: bool, grad_clip: float):
+    """Real replicas of a small drafter (two 1 MiB buckets) on CPU worker threads, warmed up."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trainer.config import load_config
+    from trainer.replica import Replica
+    from trainer.topology import ThreadedTopology
+
+    settings = [
+        "drafter.num_layers=2", "drafter.block_size=4", "drafter.num_anchors=4", "train.batch_size=2",
+        "train.seq_len=32", f"train.grad_clip={grad_clip}", "parallel.devices=cpu",
+        "parallel.bucket_mb=1", f"parallel.shard_optimizer={str(shard).lower()}",
+    ]  # fmt: skip
+    cfg = load_config("eager", sets=settings)
+    shape = Qwen3Config(
+        vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(shape).eval().requires_grad_(False)
+    replicas = []
+    for rank in range(workers):
+        first = replicas[0] if replicas else None
+        replicas.append(Replica(cfg, torch.device("cpu"), target, [1, 3], 63, rank, copy_of=first))
+    topology = ThreadedTopology(replicas, 60, log=lambda line: None)
+    topology.launch()
+    assert topology.wait_ready(lambda: False)
+    return topology
+
+
+def _batches(workers: int, steps: int, seed: int = 5):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, 60, (2 * workers, 32), generator=generator)
+        mask = torch.ones_like(ids)
+        mask[:, :4] = 0  # no loss on a prompt
+        yield ids, mask
+
+
+def _train(topology, batches) -> list[tuple[float, float]]:
+    """(loss, gradient norm) per step; the parameters are gathered at the end."""
+    from trainer.sharding import wait_for_parameters
+
+    history = []
+    for ids, mask in batches:
+        loss, _, norm = topology.step(ids, mask)
+        history.append((float(loss), float(norm)))
+    wait_for_parameters(topology.replicas)
+    return history
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("grad_clip", [0.0, 0.05])  # 0: no clipping, the arithmetic is the same
+def test_sharded_update_matches_the_unsharded_one(workers, grad_clip):
+    unsharded = _tiny_topology(workers, shard=False, grad_clip=grad_clip)
+    sharded = _tiny_topology(workers, shard=True, grad_clip=grad_clip)
+    try:
+        assert len(sharded.exchange.layout.buckets) == 2
+        want = _train(unsharded, _batches(workers, 3))
+        got = _train(sharded, _batches(workers, 3))
+        assert [norm for _, norm in got] == pytest.approx([norm for _, norm in want], rel=1e-6)
+        assert got[0][0] == want[0][0]  # the first loss: the same start
+        assert [loss for loss, _ in got] == pytest.approx([loss for loss, _ in want], rel=1e-6)
+        reference = unsharded.replicas[0].params
+        for replica in sharded.replicas:
+            for mine, first in zip(replica.params, sharded.replicas[0].params, strict=True):
+                assert torch.equal(mine, first)  # every replica has every update
+            for mine, theirs in zip(replica.params, reference, strict=True):
+                if grad_clip == 0.0:
+                    assert torch.equal(mine, theirs)
+                else:  # the global norm is summed in another order: the clip factor differs in the last bit
+                    assert torch.allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    finally:
+        unsharded.close()
+        sharded.close()
+
+
+def _checkpoint_into(source, destination, directory):
+    """source's state at this step, through a checkpoint file, restored into destination."""
+    from trainer.checkpoint import load_checkpoint, save_checkpoint
+    from trainer.resume import checkpoint_state, restore
+
+    loader = SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None)
+    state = checkpoint_state(2, source.replicas[0].cfg, source, loader, tau0=None)
+    restore(load_checkpoint(save_checkpoint(directory, 2, state)), destination, loader)
+
+
+def _same_optimizer_states(mine: dict, theirs: dict) -> bool:
+    if mine["param_groups"] != theirs["param_groups"] or mine["state"].keys() != theirs["state"].keys():
+        return False
+    return all(
+        mine["state"][index].keys() == entry.keys()
+        and all(torch.equal(mine["state"][index][key].cpu(), value.cpu()) for key, value in entry.items())
+        for index, entry in theirs["state"].items()
+    )
+
+
+@pytest.mark.parametrize("saved_sharded", [True, False])
+def test_a_checkpoint_resumes_with_sharding_switched(saved_sharded, tmp_path):
+    from trainer.sharding import optimizer_state
+
+    source = _tiny_topology(2, shard=saved_sharded, grad_clip=0.0)
+    resumed = _tiny_topology(2, shard=not saved_sharded, grad_clip=0.0)
+    try:
+        batches = list(_batches(2, 3))
+        _train(source, batches[:2])
+        _checkpoint_into(source, resumed, tmp_path)
+        assert _same_optimizer_states(optimizer_state(resumed.replicas), optimizer_state(source.replicas))
+        want, got = _train(source, batches[2:]), _train(resumed, batches[2:])
+        assert got[0][0] == want[0][0] and got[0][1] == pytest.approx(want[0][1], rel=1e-6)
+        for replica in resumed.replicas:
+            for mine, theirs in zip(replica.params, source.replicas[0].params, strict=True):
+                assert torch.equal(mine, theirs)  # the same next step
+        assert _same_optimizer_states(optimizer_state(resumed.replicas), optimizer_state(source.replicas))
+    finally:
+        source.close()
+        resumed.close()
+
+
+def test_an_optimizer_state_cut_into_shards_and_assembled_again_is_unchanged():
+    from trainer.sharding import load_optimizer_state, optimizer_state
+
+    unsharded = _tiny_topology(2, shard=False, grad_clip=1.0)
+    sharded = _tiny_topology(3, shard=True, grad_clip=1.0)  # another worker count
+    try:
+        assert optimizer_state(sharded.replicas)["state"] == {}  # before any step: nothing yet
+        _train(unsharded, _batches(2, 2))
+        full = optimizer_state(unsharded.replicas)
+        load_optimizer_state(sharded.replicas, full)
+        assert _same_optimizer_states(optimizer_state(sharded.replicas), full)
+        for replica in sharded.replicas:
+            for entry in replica.optimizer.state.values():
+                assert entry["exp_avg"].ndim == 1 and float(entry["step"]) == 2.0
+    finally:
+        unsharded.close()
+        sharded.close()

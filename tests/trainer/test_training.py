@@ -4,7 +4,9 @@ and a failing worker stops the run."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -220,3 +222,62 @@ def test_threaded_run_on_every_gpu(tmp_path, cache_dir):
     for index in range(torch.cuda.device_count()):
         assert f"drafter on cuda:{index}: compiling forward (cudagraphs=False)" in result.stdout
     assert result.stdout.splitlines()[-1].startswith("done: step 5, tau ")
+
+
+TWO_CPU_WORKERS = [
+    "--run=eager", "--seed=3", "--steps=8", "--set=data.regenerate=false", "--set=train.batch_size=2",
+    "--set=train.eval_prompts=1", "--set=train.eval_max_new_tokens=2", "--set=train.log_every=1",
+    "--set=train.eval_every=0", "--set=train.checkpoint_every=0", "--set=parallel.devices=cpu",
+    "--set=parallel.cpu_workers=2",
+]  # fmt: skip
+SHARDED = "--set=parallel.shard_optimizer=true"
+
+
+def _stop_after_step(monkeypatch, stop_at: int) -> None:
+    """SIGTERM to this process (as a stop request) right after training step `stop_at`."""
+    import trainer.train
+
+    real_step, steps = trainer.train.train_step, []
+
+    def step_then_stop(topology, loader):
+        result = real_step(topology, loader)
+        steps.append(len(steps) + 1)
+        if len(steps) == stop_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(trainer.train, "train_step", step_then_stop)
+
+
+def test_sharded_optimizer_gives_the_losses_of_the_unsharded_one(tmp_path, cache_dir):
+    common = [*TWO_CPU_WORKERS, f"--set=data.cache_dir={cache_dir}"]
+    assert main([*common, "--out", str(tmp_path / "unsharded")]) == 0
+    assert main([*common, SHARDED, "--out", str(tmp_path / "sharded")]) == 0
+    want, got = _losses(tmp_path / "unsharded"), _losses(tmp_path / "sharded")
+    assert len(got) == len(want) == 8
+    assert got[1] == want[1]  # the first step starts from the same weights
+    # The global gradient norm is summed in another order: clipping differs in the last bits.
+    assert list(got.values()) == pytest.approx(list(want.values()), rel=1e-5)
+
+
+def test_sharded_run_stops_and_resumes_exactly_sharded_or_not(tmp_path, cache_dir, monkeypatch, capsys):
+    common = [*TWO_CPU_WORKERS, f"--set=data.cache_dir={cache_dir}"]
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    assert main([*common, SHARDED, "--out", str(straight)]) == 0
+    with monkeypatch.context() as patch:
+        _stop_after_step(patch, 3)
+        assert main([*common, SHARDED, "--out", str(interrupted)]) == 0
+    assert "stopped at step 3" in capsys.readouterr().out
+    assert [p.name for p in (interrupted / "checkpoints").iterdir()] == ["step_00000003.pt"]
+    unsharded = tmp_path / "unsharded"
+    shutil.copytree(interrupted, unsharded)
+    assert main([*common, SHARDED, "--out", str(interrupted), "--resume"]) == 0
+    assert main([*common, "--out", str(unsharded), "--resume"]) == 0  # the same checkpoint
+    assert "resumed from" in capsys.readouterr().out
+    want = _losses(straight)
+    assert _losses(interrupted) == want  # bit-for-bit the same losses at every step
+    resumed_unsharded = _losses(unsharded)
+    assert resumed_unsharded.keys() == want.keys() and resumed_unsharded[4] == pytest.approx(
+        want[4], rel=1e-6
+    )
+    assert list(resumed_unsharded.values()) == pytest.approx(list(want.values()), rel=1e-5)
