@@ -1,0 +1,49 @@
+"""python -m dflashctl: the command line's options reach the playbooks as the extra variables the
+roles read (no playbook run: the controller is replaced by one that records its calls)."""
+
+from __future__ import annotations
+
+import json
+from typing import ClassVar
+
+import pytest
+
+import dflashctl.__main__ as cli
+
+pytestmark = pytest.mark.unit
+
+
+class RecordingController:
+    calls: ClassVar[list[tuple[str, tuple, dict]]] = []
+
+    def __init__(self, settings):
+        self.settings = settings
+
+    def launch(self, run, **extravars):
+        self.calls.append(("launch", (run,), extravars))
+        return {"run": run, **extravars}
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    RecordingController.calls = []
+    monkeypatch.setattr(cli, "Controller", RecordingController)
+    return RecordingController.calls
+
+
+def test_launch_passes_resume_and_steps_as_the_roles_read_them(recorded, capsys) -> None:
+    assert cli.main(["launch", "nographs", "--resume", "--steps", "300"]) == 0
+    assert recorded == [("launch", ("nographs",), {"resume": True, "steps": 300})]
+    assert json.loads(capsys.readouterr().out) == {"run": "nographs", "resume": True, "steps": 300}
+
+
+def test_launch_without_options_passes_none(recorded) -> None:
+    assert cli.main(["launch", "nographs"]) == 0
+    assert recorded == [("launch", ("nographs",), {})]
+
+
+def test_steps_must_be_a_number(recorded, capsys) -> None:
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["launch", "nographs", "--steps", "many"])
+    assert refused.value.code == 2 and "invalid int value: 'many'" in capsys.readouterr().err
+    assert recorded == []
