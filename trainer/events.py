@@ -27,6 +27,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from .runrecord import jsonl_rows
+
 EVENTS_FILE = "events.jsonl"
 NOTIFY_URL_FILE_ENV = "DFLASH_NOTIFY_URL_FILE"
 RUN_ID_ENV = "DFLASH_RUN_ID"
@@ -46,17 +48,7 @@ def default_run_id(run: str, pid: int) -> str:
 def progress(out_dir: Path) -> tuple[int | None, float | None]:
     """The last logged step and the last tau in <out>/metrics.jsonl (None where there is none)."""
     step = tau = None
-    try:
-        lines = (out_dir / "metrics.jsonl").read_text(errors="replace").splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a row being written right now
-        if not isinstance(row, dict):
-            continue
+    for row in jsonl_rows(out_dir / "metrics.jsonl"):
         if row.get("kind") == "train" and isinstance(row.get("step"), int):
             step = row["step"]
         elif row.get("kind") == "eval" and isinstance(row.get("tau"), (int, float)):
@@ -68,19 +60,7 @@ def progress(out_dir: Path) -> tuple[int | None, float | None]:
 
 def read_events(out_dir: Path) -> list[dict]:
     """Every well-formed event of <out>/events.jsonl, oldest first ([] where there is none)."""
-    try:
-        lines = (out_dir / EVENTS_FILE).read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    events = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and "event" in row:
-            events.append(row)
-    return events
+    return [row for row in jsonl_rows(out_dir / EVENTS_FILE) if "event" in row]
 
 
 def describe_status(status: int) -> str:

@@ -116,6 +116,15 @@ def plan_layout(
     return BufferLayout(order, sizes, starts, buckets, spans, parts)
 
 
+def sum_in_replica_order(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A new tensor: tensors[0] + tensors[1] + ..., in that order (gloo's order, so the CPU
+    exchange gives the process topology's results to the last bit)."""
+    total = tensors[0].clone()
+    for other in tensors[1:]:
+        total += other
+    return total
+
+
 def _one_dtype(params: list[torch.Tensor]) -> torch.dtype:
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1:
@@ -373,10 +382,7 @@ class GradientExchange:
     def _all_reduce(self, bucket: int, scale: float) -> None:
         views = self._views(self.flats, bucket)
         if not self.cuda:
-            total = views[0].clone()
-            for other in views[1:]:
-                total += other
-            total.mul_(scale)
+            total = sum_in_replica_order(views).mul_(scale)
             for view in views:
                 view.copy_(total)
             return
@@ -392,10 +398,7 @@ class GradientExchange:
             return
         for rank, target in enumerate(owned):
             lo, hi = self.layout.owned(bucket, rank)
-            total = self.flats[0][lo:hi].clone()
-            for other in self.flats[1:]:
-                total += other[lo:hi]
-            target.copy_(total.mul_(scale))
+            target.copy_(sum_in_replica_order([flat[lo:hi] for flat in self.flats]).mul_(scale))
 
     def _scale(self, views: list[torch.Tensor], scale: float) -> None:
         for view, stream in zip(views, self.streams, strict=True):
@@ -412,9 +415,7 @@ class GradientExchange:
             self._streams_wait({rank: event for rank, (_, event) in sent.items()})
             torch.cuda.nccl.all_reduce(values, streams=self.streams)
         else:
-            total = values[0].clone()
-            for other in values[1:]:
-                total += other
+            total = sum_in_replica_order(values)
             for value in values:
                 value.copy_(total)
         self._answer_every_replica()

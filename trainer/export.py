@@ -40,6 +40,7 @@ from .checkpoint import (
 )
 from .config import Config, config_from_dict
 from .embedded import embedded_dir
+from .runrecord import jsonl_rows
 
 MANIFEST = "export.json"
 EXPORT_FORMAT = 1
@@ -217,18 +218,11 @@ def drafter_config(target_config: dict, cfg: Config, layer_ids: list[int], mask_
 
 def tau_at(run_out: Path, step: int) -> tuple[float | None, str]:
     """tau at `step` from <run>/metrics.jsonl, and a sentence saying where it comes from."""
-    evals = []
-    try:
-        lines = (run_out / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a kill: the rows before it still count
-        if isinstance(row, dict) and row.get("kind") == "eval" and isinstance(row.get("tau"), (int, float)):
-            evals.append(row)
+    evals = [
+        row
+        for row in jsonl_rows(run_out / "metrics.jsonl")
+        if row.get("kind") == "eval" and isinstance(row.get("tau"), (int, float))
+    ]
     at_step = [row for row in evals if row.get("step") == step]
     if at_step:
         row = at_step[-1]

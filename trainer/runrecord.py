@@ -251,27 +251,43 @@ def checkpoints(out: Path | str) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def last_metrics(out: Path | str) -> dict:
-    """The latest train and eval rows of <out>/metrics.jsonl: {"train": row|None, "eval": row|None}."""
-    found: dict = {"train": None, "eval": None}
-    path = Path(out) / "metrics.jsonl"
+def tail_lines(path: Path | str, max_bytes: int) -> list[str]:
+    """The lines of a file's last max_bytes (the first one may be cut). Raises OSError."""
+    with Path(path).open("rb") as handle:
+        handle.seek(0, os.SEEK_END)
+        handle.seek(max(0, handle.tell() - max_bytes))
+        return handle.read().decode("utf-8", "replace").splitlines()
+
+
+def jsonl_rows(path: Path | str, max_bytes: int | None = None) -> list[dict]:
+    """The JSON objects of a JSON-lines file, oldest first; [] where it cannot be read. With
+    max_bytes, those of its last max_bytes only. A line being written, or cut by a kill or by
+    the tail, is skipped: the rows around it still count."""
     try:
-        with path.open("rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            handle.seek(max(0, handle.tell() - 256 * 1024))
-            lines = handle.read().decode("utf-8", "replace").splitlines()
+        if max_bytes:
+            lines = tail_lines(path, max_bytes)
+        else:
+            lines = Path(path).read_text(errors="replace").splitlines()
     except OSError:
-        return found
-    for line in reversed(lines):
+        return []
+    rows = []
+    for line in lines:
         try:
             row = json.loads(line)
         except ValueError:
-            continue  # a row being written, or the cut first line
-        kind = row.get("kind") if isinstance(row, dict) else None
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def last_metrics(out: Path | str) -> dict:
+    """The latest train and eval rows of <out>/metrics.jsonl: {"train": row|None, "eval": row|None}."""
+    found: dict = {"train": None, "eval": None}
+    for row in reversed(jsonl_rows(Path(out) / "metrics.jsonl", 256 * 1024)):
+        kind = row.get("kind")
         if kind in found and found[kind] is None:
             found[kind] = row
-        if found["train"] and found["eval"]:
-            break
     return found
 
 

@@ -31,6 +31,7 @@ import threading
 from pathlib import Path
 
 from .events import EventLog, describe_status
+from .runrecord import tail_lines
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 PR_SET_PDEATHSIG = 1
@@ -67,11 +68,7 @@ def crash_reason(status: int) -> str:
     if status < 0:
         return what
     try:
-        log = Path(os.readlink("/proc/self/fd/2"))
-        with log.open("rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            handle.seek(max(0, handle.tell() - 32 * 1024))
-            lines = handle.read().decode("utf-8", "replace").splitlines()
+        lines = tail_lines(os.readlink("/proc/self/fd/2"), 32 * 1024)
     except OSError:
         return what
     for line in reversed(lines):

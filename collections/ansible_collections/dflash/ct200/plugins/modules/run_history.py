@@ -57,32 +57,15 @@ alive:
   returned: always
 """
 
-import json
 import os
 import re
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.dflash.ct200.plugins.module_utils.run_record import jsonl_rows
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import probe
 
 STEPS_RE = re.compile(r"^\s+steps:\s*(\d+)\s*$")
 MAX_EVENTS = 200
-
-
-def read_rows(path: str) -> list[dict]:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            lines = handle.read().splitlines()
-    except OSError:
-        return []
-    rows = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line being written right now
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def total_steps(out: str) -> int | None:
@@ -111,7 +94,7 @@ def thin(rows: list, points: int) -> list:
 
 
 def summarize(out: str, points: int) -> dict:
-    metrics = read_rows(os.path.join(out, "metrics.jsonl"))
+    metrics = jsonl_rows(os.path.join(out, "metrics.jsonl"))
     # A resumed run repeats the steps after its checkpoint: the later row of a step wins.
     train = {
         row["step"]: row for row in metrics if row.get("kind") == "train" and isinstance(row.get("step"), int)
@@ -126,7 +109,7 @@ def summarize(out: str, points: int) -> dict:
     recent = [
         row["tokens_per_s"] for row in train_rows[-5:] if isinstance(row.get("tokens_per_s"), (int, float))
     ]
-    events = read_rows(os.path.join(out, "events.jsonl"))[-MAX_EVENTS:]
+    events = jsonl_rows(os.path.join(out, "events.jsonl"))[-MAX_EVENTS:]
     result = {
         "out": out,
         "name": os.path.basename(out.rstrip("/")),
