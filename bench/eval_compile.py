@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_bench import SHAPES, build_target
 
 from trainer.config import CompileConfig
-from trainer.evaluate import acceptance_length, speculative_generate
-from trainer.model import DFlashDrafter, DrafterShape, target_layer_ids
-from trainer.target import shared_parts
+from trainer.model.drafter import DFlashDrafter, DrafterShape, target_layer_ids
+from trainer.model.evaluate import acceptance_length, speculative_generate
+from trainer.model.target import shared_parts
 
 WAYS = ("eager", "buckets", "per-shape")
 

@@ -53,9 +53,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import load_config
-from trainer.model import target_layer_ids
-from trainer.replica import Replica
-from trainer.topology import ThreadedTopology
+from trainer.model.drafter import target_layer_ids
+from trainer.parallel.replica import Replica
+from trainer.parallel.topology import ThreadedTopology
 
 PEAK_BF16_FLOPS = 989e12
 MATMUL_BF16_FLOPS = 790e12
@@ -283,7 +283,7 @@ def run_process(name, shape, gpus, args, out_dir, env) -> dict:
 
 def worker(name: str, shape: Shape, args, out_dir: Path, row_file: Path) -> int:
     """One rank of a process setting (started by run_process through torchrun)."""
-    from trainer.process import ProcessTopology, ProcessWorld
+    from trainer.parallel.process import ProcessTopology, ProcessWorld
 
     rank_began = time.perf_counter()
     devices = [torch.device(f"cuda:{i}") for i in range(args.gpus)] or [torch.device("cpu")]

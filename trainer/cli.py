@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         args.resume = True  # torchrun restarted the ranks after a crash (--max-restarts): resume
-    from .environment import check_machine  # imports torch: after argparse so --help stays quick
+    from .run.environment import check_machine  # imports torch: after argparse so --help stays quick
 
     out_dir = Path(args.out or f"runs/{args.run}").expanduser().absolute()
     try:
@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         # A normal run names the first problem in one line (--check lists them all).
         return ended(out_dir, fail(problems[:1]), f"bad input: {problems[0]}")
 
-    from .checkpoint import CheckpointWriteError
-    from .topology import WorkerFailed
-    from .train import BadInput, train
+    from .parallel.topology import WorkerFailed
+    from .run.checkpoint import CheckpointWriteError
+    from .run.train import BadInput, train
 
     try:
         return train(cfg, out_dir, args.resume)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         if exc.errno != errno.ENOSPC:
             traceback.print_exc()
             return ended(out_dir, 1, f"crashed: {exc}")
-        from .runrecord import checkpoints
+        from .run.runrecord import checkpoints
 
         intact = checkpoints(out_dir)
         last = f"{intact[-1][1]} (step {intact[-1][0]})" if intact else "none"
@@ -105,9 +105,9 @@ def error_line(message: str) -> int:
 
 
 def ended(out_dir: Path, code: int, reason: str) -> int:
-    """Note how the run ended in its record (trainer/runrecord.py): one process per host writes it."""
+    """Note how the run ended in its record (trainer/run/runrecord.py): one process per host writes it."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        from .runrecord import note, utc_now
+        from .run.runrecord import note, utc_now
 
         state = "failed" if code == 2 else "crashed"
         note(out_dir, state=state, exit_status=code, exit_reason=reason, ended_at=utc_now())

@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 
-from .checkpoint import (
+from .config import Config, config_from_dict
+from .data.embedded import embedded_dir
+from .run.checkpoint import (
     CheckpointError,
     checkpoint_from_bytes,
     checkpoint_path,
@@ -38,9 +40,7 @@ from .checkpoint import (
     read_checkpoint_bytes,
     split_checkpoint,
 )
-from .config import Config, config_from_dict
-from .embedded import embedded_dir
-from .runrecord import jsonl_rows
+from .run.runrecord import jsonl_rows
 
 MANIFEST = "export.json"
 EXPORT_FORMAT = 1
@@ -92,7 +92,7 @@ def pick_checkpoint(run_out: Path, step: int | None) -> Source:
 
 
 def read_source(step: int, path: Path) -> Source:
-    from .resume import CHECKPOINT_FORMAT
+    from .run.resume import CHECKPOINT_FORMAT
 
     try:
         raw = read_checkpoint_bytes(path)
@@ -142,7 +142,7 @@ def resolve_mask_token_id(cfg: Config, target: Path) -> int:
     """The mask token the run trained with: drafter.mask_token_id, or the tokenizer's (as train.py)."""
     if cfg.drafter.mask_token_id >= 0:
         return cfg.drafter.mask_token_id
-    from .target import load_tokenizer
+    from .model.target import load_tokenizer
 
     mask_id = load_tokenizer(tokenizer_dir(cfg, target)).mask_token_id
     if mask_id is None:
@@ -163,8 +163,8 @@ def check_weights(
 ) -> list[int]:
     """The checkpoint's weights against the drafter the run's config describes: same names, same
     shapes (a checkpoint of another run or target is refused). Returns the target layer ids."""
-    from .model import DFlashDrafter, DrafterShape, target_layer_ids
-    from .target import num_target_layers
+    from .model.drafter import DFlashDrafter, DrafterShape, target_layer_ids
+    from .model.target import num_target_layers
 
     hf_config = SimpleNamespace(**text_config(target_config))
     try:

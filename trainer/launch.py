@@ -26,7 +26,7 @@ No torch import here (it takes seconds; launch.yml waits only briefly for the ex
 counted from parallel.devices, CUDA_VISIBLE_DEVICES or the /dev/nvidiaN device nodes.
 `--dry-run` prints the command instead of running it.
 
-Before it execs, it takes the output's lock and writes the run record (trainer/runrecord.py): a
+Before it execs, it takes the output's lock and writes the run record (trainer/run/runrecord.py): a
 second start on the same --out fails here at once (exit 2), naming the PID that holds it; the lock's
 file descriptor is inherited across exec, so it lives exactly as long as the trainer (or torchrun).
 Temporary files a killed checkpoint save left behind are removed then, under the lock.
@@ -42,10 +42,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import runrecord
 from .cli import fail
 from .cli import parse_args as parse_trainer_args
-from .events import RUN_ID_ENV
+from .run import runrecord
+from .run.events import RUN_ID_ENV
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out or f"runs/{args.run}").expanduser().absolute()
         try:
             record = take_output(out, cfg, args, cmd)
-            # The events and notices of the run carry the record's own run id (trainer/events.py).
+            # The events and notices of the run carry the record's own run id (trainer/run/events.py).
             os.environ[RUN_ID_ENV] = record["run_id"]
         except runrecord.OutputBusy as exc:
             return fail([str(exc)])

@@ -11,7 +11,7 @@ stop.yml signals) is this supervisor's. It runs the trainer as its child and:
   --max-restarts 0 the crash itself ends it: `crashed`);
 - never restarts bad input (exit status 2) or a run that finished or stopped (exit status 0), and
   exits with the trainer's own status.
-Each of these is a line of <out>/events.jsonl (trainer/events.py) and a notice where one is set up.
+Each of these is a line of <out>/events.jsonl (trainer/run/events.py) and a notice where one is set up.
 The trainer dies with the supervisor (parent-death signal), so a SIGKILL to the recorded PID
 leaves no orphan training on.
 
@@ -30,8 +30,8 @@ import sys
 import threading
 from pathlib import Path
 
-from .events import EventLog, describe_status
-from .runrecord import tail_lines
+from .run.events import EventLog, describe_status
+from .run.runrecord import tail_lines
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 PR_SET_PDEATHSIG = 1

@@ -18,7 +18,7 @@ trainer/cli.py), after --restart-backoff-s seconds (an option of this wrapper, n
 Stock torchrun restarts after any failure; here a failure never restarts when it is bad input
 (a rank exited 2) or comes after our stop signal (a rank killed at the end of the grace), so a
 stop is for good. Node rank 0 records start, crash, restart, finish, stop and failed in
-<out>/events.jsonl and sends the notices (trainer/events.py).
+<out>/events.jsonl and sends the notices (trainer/run/events.py).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def run_events(argv: list[str]):
     if int(option_value(argv, "--node-rank", "0")) != 0 or "--" not in argv:
         return None
     from .cli import parse_args as parse_trainer_args
-    from .events import EventLog
+    from .run.events import EventLog
 
     trainer_args = parse_trainer_args(argv[argv.index("--") + 1 :])
     out_dir = Path(trainer_args.out or f"runs/{trainer_args.run}").expanduser().absolute()
@@ -121,7 +121,7 @@ def run_events(argv: list[str]):
 def failed_ranks(run_result) -> str:
     """`rank 1 killed by SIGKILL, rank 0 exit status 1`: the failed ranks of torchrun's RunResult,
     ranks killed by a signal first (the others usually failed because that one vanished)."""
-    from .events import describe_status
+    from .run.events import describe_status
 
     failures = sorted(run_result.failures.items(), key=lambda item: (item[1].exitcode >= 0, item[0]))
     return ", ".join(f"rank {rank} {describe_status(f.exitcode)}" for rank, f in failures) or "a rank failed"
@@ -253,7 +253,7 @@ def record_failure(events, first: list[int], exc: BaseException) -> None:
 
 def events_end(events) -> dict | None:
     """The run's last event when it already says how the run ended (failed, crash), else None."""
-    from .events import read_events
+    from .run.events import read_events
 
     recorded = read_events(events.out_dir)
     return recorded[-1] if recorded and recorded[-1]["event"] in ("failed", "crash") else None

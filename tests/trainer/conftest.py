@@ -32,7 +32,7 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def embedded(cache_dir):
     """Build the embedded target and data once; returns (target dir, data file)."""
-    from trainer.embedded import ensure_embedded
+    from trainer.data.embedded import ensure_embedded
 
     return ensure_embedded(cache_dir)
 

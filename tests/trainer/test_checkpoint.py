@@ -7,7 +7,8 @@ import hashlib
 import pytest
 import torch
 
-from trainer.checkpoint import (
+from trainer.cli import main
+from trainer.run.checkpoint import (
     CheckpointError,
     checkpoint_from_bytes,
     header_digest,
@@ -15,7 +16,6 @@ from trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from trainer.cli import main
 
 pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 

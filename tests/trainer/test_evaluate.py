@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.evaluate import acceptance_length, speculative_generate
-from trainer.model import DFlashDrafter, DrafterShape, target_layer_ids
-from trainer.target import shared_parts
+from trainer.model.drafter import DFlashDrafter, DrafterShape, target_layer_ids
+from trainer.model.evaluate import acceptance_length, speculative_generate
+from trainer.model.target import shared_parts
 
 VOCAB, BLOCK, MASK_ID, NO_EOS = 60, 4, 59, -1
 pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from trainer.embedded import embedded_dir
+from trainer.data.embedded import embedded_dir
 from trainer.export import ExportError, export
+from trainer.run.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 
 from .conftest import EXPORT_RUN_EVAL, EXPORT_RUN_STEPS, REPO
 

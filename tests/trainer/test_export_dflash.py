@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 
-from trainer.checkpoint import checkpoint_path
-from trainer.data import ChatFormat, load_conversations, prompt_ids, tokenize
-from trainer.evaluate import speculative_generate
+from trainer.data.chat import ChatFormat, load_conversations, prompt_ids, tokenize
 from trainer.export import export, pick_checkpoint
-from trainer.model import DFlashDrafter, DrafterShape
-from trainer.target import load_target, load_tokenizer, shared_parts
+from trainer.model.drafter import DFlashDrafter, DrafterShape
+from trainer.model.evaluate import speculative_generate
+from trainer.model.target import load_target, load_tokenizer, shared_parts
+from trainer.run.checkpoint import checkpoint_path
 
 from .conftest import EXPORT_RUN_EVAL, EXPORT_RUN_STEPS
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.model import attend, frozen_head_cross_entropy
-from trainer.objective import IGNORE, block_attention_mask, flex_block_mask
+from trainer.model.drafter import attend, frozen_head_cross_entropy
+from trainer.model.objective import IGNORE, block_attention_mask, flex_block_mask
 
 pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 
@@ -49,7 +49,7 @@ def test_flex_block_mask_gives_the_same_attention_as_the_dense_mask():
 def test_drafter_logits_take_the_dtype_of_a_bf16_target_head():
     # On a GPU the target (and so the shared head) is bf16 while the drafter's weights are float32:
     # evaluation calls logits() outside autocast, so the drafter must hand the head its own dtype.
-    from trainer.model import DFlashDrafter, DrafterShape, SharedTargetParts
+    from trainer.model.drafter import DFlashDrafter, DrafterShape, SharedTargetParts
 
     shape = DrafterShape(32, 4, 2, 8, 64, 1, 2, 1e-6, 1e4)
     shared = SharedTargetParts(

@@ -5,8 +5,8 @@ import threading
 import pytest
 import torch
 
-from trainer.model import DFlashDrafter, DrafterObjective, DrafterShape, SharedTargetParts
-from trainer.objective import build_blocks, sample_anchors
+from trainer.model.drafter import DFlashDrafter, DrafterObjective, DrafterShape, SharedTargetParts
+from trainer.model.objective import build_blocks, sample_anchors
 
 pytestmark = [
     pytest.mark.gpu,

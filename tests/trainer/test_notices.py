@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.events import NOTICE_FIELDS, post_notice, read_events
+from trainer.run.events import NOTICE_FIELDS, post_notice, read_events
 
 from .test_supervise import children, common, finish, launch, losses, wait_for
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from trainer.model import DFlashDrafter, DrafterShape, SharedTargetParts, target_layer_ids
-from trainer.objective import (
+from trainer.model.drafter import DFlashDrafter, DrafterShape, SharedTargetParts, target_layer_ids
+from trainer.model.objective import (
     IGNORE,
     anchor_candidates,
     block_attention_mask,

@@ -176,7 +176,7 @@ def test_sigterm_then_a_dead_rank_then_resume(embedded, cache_dir, tmp_path):
             or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
         )
 
-    from trainer.checkpoint import list_checkpoints
+    from trainer.run.checkpoint import list_checkpoints
 
     last = list_checkpoints(out / "checkpoints")[-1][0]
     assert last >= next_checkpoint
@@ -330,7 +330,7 @@ def test_sigterm_while_the_rendezvous_waits_ends_torchrun_at_once(tmp_path):
     assert "torchrun: SIGTERM while no rank runs (rendezvous or exit barrier): exiting" in log.read_text()
     # Nothing ran: the output holds only the run record and the run's events, which say so.
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["events.jsonl", "run.json"]
-    from trainer.events import read_events
+    from trainer.run.events import read_events
 
     assert [e["event"] for e in read_events(tmp_path / "out")] == ["start", "stop"]
 
@@ -464,7 +464,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_losses_continue_exactly(embedde
         return {row["step"]: row["loss"] for row in rows if row["kind"] == "train"}
 
     assert by_step(out) == by_step(tmp_path / "straight")
-    from trainer.events import read_events
+    from trainer.run.events import read_events
 
     events = read_events(out)
     assert [e["event"] for e in events] == ["start", "crash", "restart", "finish"], events
@@ -474,7 +474,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_losses_continue_exactly(embedde
 def test_torchrun_never_restarts_a_stop_or_bad_input(embedded, cache_dir, tmp_path):
     """With restarts allowed: SIGTERM stops for good (every rank checkpoints, exit 0), and a rank
     that exits 2 (bad input) fails the run at once instead of failing again max-restarts times."""
-    from trainer.events import read_events
+    from trainer.run.events import read_events
 
     common = [*TINY, f"--set=data.cache_dir={cache_dir}", "--set=parallel.cpu_workers=2"]
     restarts = ("--max-restarts=3", "--restart-backoff-s=0.2")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.recompiles import RecompileWatch
+from trainer.run.recompiles import RecompileWatch
 
 
 def doubled(x):

@@ -1,4 +1,4 @@
-"""The output lock and the run record (trainer/runrecord.py, trainer.launch), and what the trainer
+"""The output lock and the run record (trainer/run/runrecord.py, trainer.launch), and what the trainer
 leaves on a full disk: one line, exit status 1, no partial file."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import runrecord
-from trainer.checkpoint import CheckpointWriteError, save_checkpoint
+from trainer.run import runrecord
+from trainer.run.checkpoint import CheckpointWriteError, save_checkpoint
 
 from .conftest import REPO, run_trainer
 
 HOLD = (
-    "import sys, time; sys.path.insert(0, {repo!r}); from trainer import runrecord; "
+    "import sys, time; sys.path.insert(0, {repo!r}); from trainer.run import runrecord; "
     "runrecord.acquire_lock({out!r}); print('held', flush=True); time.sleep(60)"
 )
 

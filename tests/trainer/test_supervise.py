@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.events import read_events
+from trainer.run.events import read_events
 
 from .conftest import REPO, run_trainer
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.exchange import GradientExchange, plan_buckets
-from trainer.topology import scale_gradients
+from trainer.parallel.exchange import GradientExchange, plan_buckets
+from trainer.parallel.topology import scale_gradients
 
 pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 
@@ -175,7 +175,7 @@ def test_another_workers_replica_copies_the_first_ones_weights():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from trainer.config import load_config
-    from trainer.replica import Replica
+    from trainer.parallel.replica import Replica
 
     cfg = load_config("eager", sets=["drafter.num_layers=2", "parallel.devices=cpu"])
     shape = Qwen3Config(
@@ -194,7 +194,7 @@ def test_another_workers_replica_copies_the_first_ones_weights():
 
 
 def test_step_loss_is_the_mean_over_every_replicas_weighted_sum():
-    from trainer.replica import StepLoss
+    from trainer.parallel.replica import StepLoss
 
     loss = StepLoss([torch.tensor(3.0), torch.tensor(5.0)], weight_sum=4.0)
     assert float(loss) == 2.0
@@ -205,7 +205,7 @@ def test_step_loss_is_the_mean_over_every_replicas_weighted_sum():
 
 
 def test_sharded_layout_pads_buckets_into_equal_aligned_slices():
-    from trainer.exchange import plan_layout
+    from trainer.parallel.exchange import plan_layout
 
     unsharded = plan_layout([2, 1, 0], [5, 7, 3], element_bytes=4, bucket_bytes=40)
     assert unsharded.starts == [0, 5, 12] and unsharded.spans == [(0, 12), (12, 15)]  # back to back
@@ -328,8 +328,8 @@ def _tiny_topology(workers: int, shard: bool, grad_clip: float):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from trainer.config import load_config
-    from trainer.replica import Replica
-    from trainer.topology import ThreadedTopology
+    from trainer.parallel.replica import Replica
+    from trainer.parallel.topology import ThreadedTopology
 
     settings = [
         "drafter.num_layers=2", "drafter.block_size=4", "drafter.num_anchors=4", "train.batch_size=2",
@@ -364,7 +364,7 @@ def _batches(workers: int, steps: int, seed: int = 5):
 
 def _train(topology, batches) -> list[tuple[float, float]]:
     """(loss, gradient norm) per step; the parameters are gathered at the end."""
-    from trainer.sharding import wait_for_parameters
+    from trainer.parallel.sharding import wait_for_parameters
 
     history = []
     for ids, mask in batches:
@@ -402,8 +402,8 @@ def test_sharded_update_matches_the_unsharded_one(workers, grad_clip):
 
 def _checkpoint_into(source, destination, directory):
     """source's state at this step, through a checkpoint file, restored into destination."""
-    from trainer.checkpoint import load_checkpoint, save_checkpoint
-    from trainer.resume import checkpoint_state, restore
+    from trainer.run.checkpoint import load_checkpoint, save_checkpoint
+    from trainer.run.resume import checkpoint_state, restore
 
     loader = SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None)
     state = checkpoint_state(2, source.replicas[0].cfg, source, loader, tau0=None)
@@ -422,7 +422,7 @@ def _same_optimizer_states(mine: dict, theirs: dict) -> bool:
 
 @pytest.mark.parametrize("saved_sharded", [True, False])
 def test_a_checkpoint_resumes_with_sharding_switched(saved_sharded, tmp_path):
-    from trainer.sharding import optimizer_state
+    from trainer.parallel.sharding import optimizer_state
 
     source = _tiny_topology(2, shard=saved_sharded, grad_clip=0.0)
     resumed = _tiny_topology(2, shard=not saved_sharded, grad_clip=0.0)
@@ -443,7 +443,7 @@ def test_a_checkpoint_resumes_with_sharding_switched(saved_sharded, tmp_path):
 
 
 def test_an_optimizer_state_cut_into_shards_and_assembled_again_is_unchanged():
-    from trainer.sharding import load_optimizer_state, optimizer_state
+    from trainer.parallel.sharding import load_optimizer_state, optimizer_state
 
     unsharded = _tiny_topology(2, shard=False, grad_clip=1.0)
     sharded = _tiny_topology(3, shard=True, grad_clip=1.0)  # another worker count

@@ -143,7 +143,7 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
 
 
 def test_worker_failure_stops_the_run(tmp_path, cache_dir, monkeypatch, capsys):
-    from trainer.replica import Replica
+    from trainer.parallel.replica import Replica
 
     real_compute = Replica.compute
     calls = {"n": 0}
@@ -235,9 +235,9 @@ SHARDED = "--set=parallel.shard_optimizer=true"
 
 def _stop_after_step(monkeypatch, stop_at: int) -> None:
     """SIGTERM to this process (as a stop request) right after training step `stop_at`."""
-    import trainer.train
+    import trainer.run.train
 
-    real_step, steps = trainer.train.train_step, []
+    real_step, steps = trainer.run.train.train_step, []
 
     def step_then_stop(topology, loader):
         result = real_step(topology, loader)
@@ -246,7 +246,7 @@ def _stop_after_step(monkeypatch, stop_at: int) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
         return result
 
-    monkeypatch.setattr(trainer.train, "train_step", step_then_stop)
+    monkeypatch.setattr(trainer.run.train, "train_step", step_then_stop)
 
 
 def test_sharded_optimizer_gives_the_losses_of_the_unsharded_one(tmp_path, cache_dir):

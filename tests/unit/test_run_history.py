@@ -10,7 +10,7 @@ import pytest
 from ansible_collections.dflash.ct200.plugins.modules import run_history
 
 from trainer.config import config_from_dict, dump_config
-from trainer.events import EventLog
+from trainer.run.events import EventLog
 
 
 def write_run(out, steps=40, train=(), evals=(), tail="") -> None:

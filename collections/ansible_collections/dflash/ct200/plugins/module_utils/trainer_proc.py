@@ -190,7 +190,7 @@ def _verdict(lines: list[str]) -> dict:
 
 
 # The truth on the target: the run records and output locks under the workspace's runs directory
-# (module_utils/run_record.py is trainer/runrecord.py, linked: one owner of the format).
+# (module_utils/run_record.py is trainer/run/runrecord.py, linked: one owner of the format).
 
 ENDED_STATES = {"finished": "finished", "stopped": "stopped", "failed": "failed", "crashed": "failed"}
 KILLED_REASON = (

@@ -55,7 +55,7 @@ def num_target_layers(config) -> int:
 
 def shared_parts(target):
     """The target's input embedding and LM head (frozen), shared with the drafter."""
-    from .model import SharedTargetParts
+    from .drafter import SharedTargetParts
 
     return SharedTargetParts(target.get_input_embeddings(), target.get_output_embeddings())
 

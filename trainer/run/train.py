@@ -23,10 +23,8 @@ from pathlib import Path
 
 import torch
 
-from . import runrecord
-from .checkpoint import save_checkpoint
-from .config import Config
-from .data import (
+from ..config import Config
+from ..data.chat import (
     ChatFormat,
     Loader,
     build_train_set,
@@ -38,18 +36,20 @@ from .data import (
     save_examples,
     tokenize,
 )
-from .embedded import ensure_embedded
+from ..data.embedded import ensure_embedded
+from ..model.drafter import target_layer_ids
+from ..model.evaluate import acceptance_length
+from ..model.target import load_target, load_tokenizer, num_target_layers
+from ..parallel.process import ProcessSetupError, ProcessTopology, ProcessWorld, launched_by_torchrun
+from ..parallel.replica import Replica, StepLoss
+from ..parallel.sharding import wait_for_parameters
+from ..parallel.topology import ThreadedTopology, ThreadedWorld
+from . import runrecord
+from .checkpoint import save_checkpoint
 from .environment import resolve_devices
-from .evaluate import acceptance_length
-from .model import target_layer_ids
-from .process import ProcessSetupError, ProcessTopology, ProcessWorld, launched_by_torchrun
 from .recompiles import RecompileWatch
-from .replica import Replica, StepLoss
 from .resume import BadInput, ResumePoint, checkpoint_state, find_resume_point, restore
-from .sharding import wait_for_parameters
 from .sinks import Output, open_output
-from .target import load_target, load_tokenizer, num_target_layers
-from .topology import ThreadedTopology, ThreadedWorld
 
 __all__ = ["BadInput", "train"]  # BadInput: the command line turns it into exit status 2
 

@@ -1,7 +1,7 @@
 """Sharded optimizer update of the threaded topology (parallel.shard_optimizer): each replica's
 optimizer covers the slices of the parameters it owns, and checkpoints keep the unsharded state.
 
-The exchange (trainer/exchange.py) lays every replica's parameters and gradients out in flat
+The exchange (trainer/parallel/exchange.py) lays every replica's parameters and gradients out in flat
 buffers of padded buckets; replica r owns slice r of every bucket. `OptimizerShard` is one
 replica's part: AdamW over its slices (1-D views of its parameter buffer whose gradients are the
 matching slices of its gradient buffer), clipping by the norm over every replica's slices, and

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any, TextIO
 
-from .config import Config, dump_config
+from ..config import Config, dump_config
 
 
 class SilentOutput:

@@ -1,6 +1,6 @@
 """The process topology: one process per device, started by torchrun, gradients reduced by DDP.
 
-Model, data, objective, checkpoints and metrics are the threaded topology's (trainer/train.py drives
+Model, data, objective, checkpoints and metrics are the threaded topology's (trainer/run/train.py drives
 both); only how workers start and how gradients are reduced differ. torchrun starts one process per
 device and sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; `ProcessWorld` joins the
 process group (NCCL on CUDA, gloo on CPU) with a finite timeout, so a collective waiting for a dead

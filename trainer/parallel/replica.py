@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import Config
-from .model import DFlashDrafter, DrafterObjective, DrafterShape
-from .objective import build_blocks, sample_anchors
-from .target import shared_parts, target_features
+from ..config import Config
+from ..model.drafter import DFlashDrafter, DrafterObjective, DrafterShape
+from ..model.objective import build_blocks, sample_anchors
+from ..model.target import shared_parts, target_features
 
 if TYPE_CHECKING:
     from .sharding import OptimizerShard

@@ -2,12 +2,12 @@
 
 Each step the coordinator splits the global batch into one shard per worker and puts it on that
 worker's queue; each worker runs forward and backward on its own replica while the gradient exchange
-(trainer/exchange.py) sums finished gradient buckets across replicas during the backward, then
+(trainer/parallel/exchange.py) sums finished gradient buckets across replicas during the backward, then
 applies the update itself, so the replicas' optimizer steps run side by side and every replica
 applies the same update (as DDP does: identical gradients and optimizer states keep replicas
 identical). The coordinator collects the answers. With one worker there is nothing to exchange: the
 worker scales its gradients by 1 / loss-weight sum. With parallel.shard_optimizer each worker updates
-only its slice of the parameters and the exchange gathers the slices (trainer/sharding.py).
+only its slice of the parameters and the exchange gathers the slices (trainer/parallel/sharding.py).
 
 A worker that raises sends its traceback to the coordinator, which stops every worker and raises
 WorkerFailed; workers are daemon threads blocked only on their queues, so none can hang the exit.

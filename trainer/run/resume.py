@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from ..config import Config, config_from_dict
+from ..data.chat import Loader
+from ..parallel.sharding import load_optimizer_state, optimizer_state, wait_for_parameters
 from .checkpoint import (
     CheckpointError,
     checkpoint_from_bytes,
@@ -29,9 +32,6 @@ from .checkpoint import (
     read_checkpoint_bytes,
     split_checkpoint,
 )
-from .config import Config, config_from_dict
-from .data import Loader
-from .sharding import load_optimizer_state, optimizer_state, wait_for_parameters
 
 CHECKPOINT_FORMAT = 1
 

@@ -178,7 +178,7 @@ class EventLog:
         return row
 
     def note_in_run_record(self, row: dict) -> None:
-        """Keep the run record (<out>/run.json, trainer/runrecord.py) in step: each restart appended
+        """Keep the run record (<out>/run.json, trainer/run/runrecord.py) in step: each restart appended
         to its `restarts`, and the state a crash, a restart or the supervisor's verdict leaves.
         Only the recorded process (this one: the supervisor or torchrun) writes it."""
         from . import runrecord

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import Config
 from .checkpoint import list_checkpoints
-from .config import Config
 
 
 def resolve_devices(spec: str) -> list[torch.device]:
@@ -94,8 +94,8 @@ def check_machine(cfg: Config, out_dir: Path | None, resume: bool) -> list[str]:
 
 
 def _check_target(cfg: Config, target: Path) -> list[str]:
-    from .model import target_layer_ids
-    from .target import load_target_config, num_target_layers
+    from ..model.drafter import target_layer_ids
+    from ..model.target import load_target_config, num_target_layers
 
     try:
         config = load_target_config(target)
