@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +19,10 @@ class DataError(Exception):
     pass
 
 
-def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
-    """Read JSONL: each line {"messages": [{"role": ..., "content": ...}, ...]} (or a bare list)."""
-    conversations = []
+def iter_conversations(path: str | Path) -> Iterator[tuple[int, list[dict[str, str]]]]:
+    """Stream JSONL: (line number, messages) for each line {"messages": [{"role": ..., "content":
+    ...}, ...]} (or a bare list) that has an assistant turn; blank lines and conversations with no
+    assistant turn are skipped. Memory does not grow with the file."""
     with Path(path).open() as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
@@ -36,9 +37,13 @@ def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
                 for m in messages
             ):
                 raise DataError(f'{path}:{number}: expected {{"messages": [{{"role", "content"}}, ...]}}')
-            if not any(m["role"] == "assistant" for m in messages):
-                continue
-            conversations.append(messages)
+            if any(m["role"] == "assistant" for m in messages):
+                yield number, messages
+
+
+def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
+    """Every conversation of a JSONL file with an assistant turn, in memory (small files only)."""
+    conversations = [messages for _, messages in iter_conversations(path)]
     if not conversations:
         raise DataError(f"{path}: no conversation with an assistant turn")
     return conversations
