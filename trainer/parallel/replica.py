@@ -18,7 +18,7 @@ import torch
 from ..config import Config
 from ..model.drafter import DFlashDrafter, DrafterObjective, DrafterShape
 from ..model.objective import build_blocks, sample_anchors
-from ..model.target import shared_parts, target_features
+from ..model.target import FeatureReader, shared_parts
 
 if TYPE_CHECKING:
     from .sharding import OptimizerShard
@@ -79,6 +79,9 @@ class Replica:
         self.device = device
         self.target = target
         self.layer_ids = layer_ids
+        self.features = FeatureReader(target, layer_ids)
+        """The target's forward up to the last layer the drafter reads (compiled by compile())."""
+        self.read_features = self.features
         self.mask_id = mask_id
         self.rank = rank
         shape = DrafterShape.from_target(target.config, cfg.drafter.num_layers, len(layer_ids))
@@ -137,6 +140,9 @@ class Replica:
         if c.mode == "none":
             return
         settings = {"dynamic": c.dynamic, "fullgraph": c.fullgraph, "options": c.inductor_options()}
+        if c.compiles_target(self.device.type):
+            target_options = {**settings["options"], "triton.cudagraphs": False}
+            self.read_features = torch.compile(self.features, dynamic=c.dynamic, options=target_options)
         if c.scope == "objective":
             self.forward = torch.compile(self.module, **settings)
             return
@@ -181,7 +187,8 @@ class Replica:
         weight_sum = float(blocks.weights.sum())
         scale = 1.0 if loss_scale is None else loss_scale(weight_sum)
         blocks = blocks.to(self.device)
-        features = target_features(self.target, input_ids.to(self.device), self.layer_ids)
+        with torch.no_grad():
+            features = self.read_features(input_ids.to(self.device))
         if self.shard is not None:
             # Here, not before the target's forward: the gather of the last update overlaps it.
             self.shard.wait_for_parameters()
