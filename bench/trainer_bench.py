@@ -39,6 +39,7 @@ MFU = counted FLOPs / time / (989 TFLOP/s dense bf16 per H200 on paper x GPUs); 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -101,9 +102,39 @@ SETTINGS = {
     "process-nographs-bucket25": ("process", ["parallel.bucket_mb=25"]),  # DDP's default size
     # Each GPU updates only its slice of the parameters (reduce-scatter, sharded AdamW, all-gather).
     "nographs-sharded": ("nographs", ["parallel.shard_optimizer=true"]),
+    # The levers of one GPU's step, each turned off alone, and all of them together ("before"):
+    # the target's forward eager, the target run through all its layers, AdamW's foreach update.
+    "nographs-eager-target": ("nographs", ["compile.target=off"]),
+    "nographs-all-layers": ("nographs", [], ("all_layers",)),
+    "nographs-foreach": ("nographs", [], ("foreach",)),
+    "nographs-before": ("nographs", ["compile.target=off"], ("all_layers", "foreach")),
 }
 DEFAULT_SETTINGS = ("eager", "nographs", "max-autotune-no-cudagraphs")
 PROCESS_PROFILES = ("process", "graphs")  # run profiles whose run.topology is process
+
+
+def bench_patches(name: str) -> contextlib.ExitStack:
+    """The code changes a setting measures without them (third element of its SETTINGS entry)."""
+    from unittest import mock
+
+    import trainer.model.target
+
+    target_module, adamw = trainer.model.target, torch.optim.AdamW
+
+    def whole_target(target, _last_layer):
+        return target.base_model
+
+    def foreach_adamw(*args, **kwargs):
+        return adamw(*args, **{**kwargs, "fused": False})
+
+    stack = contextlib.ExitStack()
+    entry = SETTINGS[name]
+    for patch in entry[2] if len(entry) > 2 else ():
+        if patch == "all_layers":  # the target runs every layer, not only those the drafter reads
+            stack.enter_context(mock.patch.object(target_module, "layers_up_to", whole_target))
+        elif patch == "foreach":  # AdamW's multi-tensor update instead of the fused kernel
+            stack.enter_context(mock.patch.object(torch.optim, "AdamW", foreach_adamw))
+    return stack
 
 
 def build_target(shape: Shape, device: torch.device, dtype: torch.dtype):
@@ -160,7 +191,7 @@ def synchronize(devices: list[torch.device]) -> None:
 
 
 def setting_config(name: str, shape: Shape, devices: list[torch.device], args):
-    profile, overrides = SETTINGS[name]
+    profile, overrides = SETTINGS[name][:2]
     sets = [
         *overrides,
         f"train.batch_size={shape.batch}",
@@ -246,7 +277,8 @@ def run_threaded(name, shape, devices, targets, args, out_dir) -> dict:
     replicas: list[Replica] = []
     for rank, (device, target) in enumerate(zip(devices, targets, strict=True)):
         first = replicas[0] if replicas else None
-        replicas.append(Replica(cfg, device, target, layer_ids, shape.vocab - 1, rank, copy_of=first))
+        with bench_patches(name):
+            replicas.append(Replica(cfg, device, target, layer_ids, shape.vocab - 1, rank, copy_of=first))
     topology = ThreadedTopology(replicas, cfg.parallel.step_timeout_s, log)
     try:
         global_batch = shape.batch * len(devices)
@@ -305,7 +337,8 @@ def worker(name: str, shape: Shape, args, out_dir: Path, row_file: Path) -> int:
         started = time.perf_counter()
         torch.manual_seed(0)
         layer_ids = target_layer_ids(shape.layers, shape.context_layers)
-        replica = Replica(cfg, device, target, layer_ids, mask_id=shape.vocab - 1, rank=world.rank)
+        with bench_patches(name):
+            replica = Replica(cfg, device, target, layer_ids, mask_id=shape.vocab - 1, rank=world.rank)
         topology = ProcessTopology(replica, world, log)
         global_batch = shape.batch * world.world_size
         row = measure(name, shape, topology, [device], global_batch, started, log, args, out_dir)
