@@ -57,6 +57,16 @@ def lr_lambda(total_steps: int, warmup_frac: float):
     return factor
 
 
+def clip_gradients(optimizer: torch.optim.Optimizer, params, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ does. A fused
+    AdamW takes the factor as its grad_scale (it divides each gradient by it as it reads it), which
+    saves a pass over every gradient: ~2 ms a step for the 1B parameters of a Qwen3-8B drafter."""
+    if optimizer.defaults.get("fused"):
+        optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+    else:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+
+
 def resolve_attention(choice: str, device: torch.device, compile_mode: str) -> str:
     """flex_attention only pays compiled on CUDA (eager, it materialises every score); else SDPA."""
     if choice != "auto":
@@ -213,9 +223,10 @@ class Replica:
         Sharded: the norm is the global one, and the update is shared with the other replicas."""
         max_norm = self.cfg.train.grad_clip or float("inf")
         if self.shard is None:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         else:
-            norm = self.shard.clip_by_global_norm(max_norm)
+            norm = self.shard.global_norm()
+        clip_gradients(self.optimizer, self.shard.params if self.shard else self.params, norm, max_norm)
         self.optimizer.step()
         self.scheduler.step()
         if self.grad_buffer is not None:
