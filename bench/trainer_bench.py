@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -297,7 +298,7 @@ def run_process(name, shape, gpus, args, out_dir, env) -> dict:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "--max-restarts=0", __file__, "--worker", name, "--worker-row", str(row_file),
         "--shape", args.shape, "--gpus", str(gpus), "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--profile", args.profile,
+        "--warmup", str(args.warmup), "--profile", args.profile, "--batch", str(args.batch),
     ]  # fmt: skip
     if args.attention:
         command += ["--attention", args.attention]
@@ -398,6 +399,7 @@ def main() -> int:
         "--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}"
     )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per setting")
+    parser.add_argument("--batch", type=int, default=0, help="rows per GPU per step (0: the shape's own)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
     parser.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="", help="override")
     parser.add_argument("--profile", default="", help="profile two steps of this setting")
@@ -423,6 +425,8 @@ def main() -> int:
     if max(gpu_counts) > 0 and torch.cuda.device_count() < max(gpu_counts):
         parser.error(f"--gpus {args.gpus}: torch sees {torch.cuda.device_count()} CUDA device(s)")
     shape = SHAPES[args.shape]
+    if args.batch:
+        shape = dataclasses.replace(shape, batch=args.batch)
     out_dir = Path(os.environ.get("OUT", ".")).resolve()
     if args.worker:
         args.gpus = gpu_counts[0]
@@ -493,7 +497,7 @@ def run_isolated(name: str, gpus: int, args, out_dir: Path) -> dict:
     command = [
         sys.executable, __file__, "--shape", args.shape, "--gpus", str(gpus), "--settings", name,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile", args.profile,
-        "--json", str(row_file),
+        "--json", str(row_file), "--batch", str(args.batch),
     ]  # fmt: skip
     if args.attention:
         command += ["--attention", args.attention]
