@@ -209,10 +209,9 @@ def continuous_generate(target, prompts, settings, chat, pad_id, should_stop) ->
         max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=chat.end_id, pad_token_id=pad_id
     )
     results = target.generate_batch([list(p) for p in prompts], generation_config=config, progress_bar=False)
-    answers: list[list[int]] = [[] for _ in prompts]
-    for request_id, result in results.items():  # ids are req_<index of the input>
-        answers[int(request_id.rsplit("_", 1)[1])] = cut_answer(list(result.generated_tokens), chat.end_id)
-    return answers
+    # Request ids are req_<n>, numbered in the order of the inputs.
+    in_order = sorted(results.items(), key=lambda item: int(item[0].rsplit("_", 1)[1]))
+    return [cut_answer(list(result.generated_tokens), chat.end_id) for _, result in in_order]
 
 
 GENERATORS = {"static": static_generate, "continuous": continuous_generate}
