@@ -419,10 +419,13 @@ class TokenizedFile:
 
 
 def run_workers(regeneration: Regeneration, targets: list, progress: Progress, should_stop,
-                report: Callable[[], None], report_every_s: float) -> bool:  # fmt: skip
+                report: Callable[[], None], report_every_s: float, rank: int = 0,
+                world_size: int = 1) -> bool:  # fmt: skip
     """One generating thread per target (device) while this thread reports progress every
-    report_every_s. False if a stop came; a worker's exception stops the others at their next batch
-    and is raised here once every worker has ended (the shards they finished are kept)."""
+    report_every_s. Under torchrun each of the world_size ranks runs this with its own targets: the
+    run's workers are every rank's threads, worker rank * len(targets) + thread. False if a stop
+    came; a worker's exception stops the others at their next batch and is raised here once every
+    worker has ended (the shards they finished are kept)."""
     errors: list[BaseException] = []
     stopped = threading.Event()
 
@@ -431,7 +434,10 @@ def run_workers(regeneration: Regeneration, targets: list, progress: Progress, s
 
     def work(worker: int, target) -> None:
         try:
-            if not regeneration.generate(worker, len(targets), target, progress, stop_requested):
+            workers = world_size * len(targets)
+            if not regeneration.generate(
+                rank * len(targets) + worker, workers, target, progress, stop_requested
+            ):
                 stopped.set()
         except BaseException as exc:  # handed to the main thread
             errors.append(exc)

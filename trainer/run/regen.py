@@ -157,8 +157,9 @@ def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, sho
             note_stage(out_dir, world, "regenerating", row)
 
         finished = run_workers(
-            regeneration, targets, progress, should_stop, report, cfg.data.regen_progress_every_s
-        )
+            regeneration, targets, progress, should_stop, report, cfg.data.regen_progress_every_s,
+            world.rank, world.world_size,
+        )  # fmt: skip
         report()
         stopped = world.any(not finished)
     if stopped:
