@@ -110,3 +110,15 @@ def test_two_ranks_under_torchrun_each_regenerate_their_shards(tmp_path, embedde
     assert "data: regenerated 20 conversations" in result.stdout, result.stdout
     assert len(shards(tmp_path / "c2")) == 10
     assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+
+
+def test_an_empty_data_file_is_one_error_line_naming_it(tmp_path, embedded):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result = regen(*regen_args(embedded, empty, tmp_path / "c", tmp_path / "out.jsonl", tmp_path / "r"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {empty}: no conversation with an assistant turn; expected one "
+        '{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} per line'
+    ]
+    assert not (tmp_path / "out.jsonl").exists()

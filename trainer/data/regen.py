@@ -208,7 +208,15 @@ def continuous_generate(target, prompts, settings, chat, pad_id, should_stop) ->
     config = GenerationConfig(
         max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=chat.end_id, pad_token_id=pad_id
     )
-    results = target.generate_batch([list(p) for p in prompts], generation_config=config, progress_bar=False)
+    options = {}
+    if next(target.parameters()).device.type == "cpu":
+        # Its default paged cache takes most of the free memory; on a CPU that is the machine's RAM.
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        options["continuous_batching_config"] = ContinuousBatchingConfig(max_memory_percent=0.02)
+    results = target.generate_batch(
+        [list(p) for p in prompts], generation_config=config, progress_bar=False, **options
+    )
     # Request ids are req_<n>, numbered in the order of the inputs.
     in_order = sorted(results.items(), key=lambda item: int(item[0].rsplit("_", 1)[1]))
     return [cut_answer(list(result.generated_tokens), chat.end_id) for _, result in in_order]
