@@ -96,16 +96,31 @@ def regenerate(cfg, run_dir: Path, chat_out: Path | None) -> int:
         prepared = prepare_data(cfg, source, targets, world, out, stop, out.out_dir)
         if prepared is None:
             out.line("stopped: run the same command again to continue")
+            ended(world, run_dir, "stopped", "stopped during the regeneration; the finished shards are kept")
             return 0
         if chat_out is not None and world.is_lead:
             examples = prepared.regeneration.examples()
             count = export_chat_jsonl(prepared.index, examples, tokenizer, chat_out)
             out.line(f"data: wrote {count:,} regenerated conversations to {chat_out}")
         world.any(False)  # no rank leaves before the file is written
+        ended(
+            world,
+            run_dir,
+            "finished",
+            f"data ready: {len(prepared.index):,} conversations (key {prepared.key})",
+        )
         return 0
     finally:
         stop.uninstall(ignore_late_signals=cfg.run.topology == "process" and launched_by_torchrun())
         world.close()
+
+
+def ended(world, run_dir: Path, state: str, reason: str) -> None:
+    """Close the run record of a launched data preparation (./dev.sh regen): a stop or the end."""
+    if world.local_rank == 0:
+        from .run.runrecord import note, utc_now
+
+        note(run_dir, state=state, exit_status=0, exit_reason=reason, ended_at=utc_now())
 
 
 if __name__ == "__main__":

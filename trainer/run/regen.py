@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,7 +135,7 @@ def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, sho
     mine = [s for s in missing if first_worker <= s % workers < first_worker + len(targets)]
     share = sum(regeneration.ranges[s][1] - regeneration.ranges[s][0] for s in mine)
     progress = Progress(total=share)
-    events = EventLog(out_dir, cfg.run.name) if out_dir is not None and world.is_lead else None
+    events = stage_events(cfg, out_dir) if out_dir is not None and world.is_lead else None
     lock = regeneration.lock() if world.local_rank == 0 else contextlib.nullcontext()
     with lock:
         if world.local_rank == 0:
@@ -182,10 +183,19 @@ def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, sho
         f"{row['elapsed_s']:.1f}s ({row['tokens_per_s']:,.0f} tok/s), cached at {regeneration.directory}"
     )
     out.line(f"data: {end_text}")
-    note_stage(out_dir, world, "training", row)
+    note_stage(out_dir, world, "regenerated", row)
     if events is not None:
         events.record("regen", end_text)
     return True
+
+
+def stage_events(cfg: Config, out_dir: Path) -> EventLog:
+    """The stage's events, under the launch's PID when this process is the launched trainer (the
+    child of the supervisor, or a rank of torchrun, whose PID the run record holds)."""
+    record = runrecord.read_record(out_dir) or {}
+    launched = record.get("pid") == os.getppid()
+    return EventLog(out_dir, cfg.run.name, run_id=record.get("run_id") if launched else None,
+                    pid=record["pid"] if launched else None)  # fmt: skip
 
 
 def note_stage(out_dir: Path | None, world, stage: str, row: dict) -> None:
