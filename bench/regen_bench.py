@@ -12,7 +12,7 @@ Rows:
   continuous  transformers' continuous batching (`generate_batch`, paged attention) at its defaults:
               what trainer.data.regen runs with data.regen_engine=continuous
   static      `generate` with a static KV cache (compiled on CUDA) over length-sorted left-padded
-              batches of --batch-size, widths padded to --width-multiple: data.regen_engine=static,
+              batches of --batch-size, widths padded to --min-width x 2^k: data.regen_engine=static,
               the product's default; timed twice (the first pass compiles every new shape)
 Per row: generated tokens/s, conversations/s, peak device memory, and the memory-bound limit of the
 workload: sequences in flight x bandwidth / bytes read per decode step (the weights once, plus the
@@ -123,7 +123,7 @@ def main() -> int:
         "--today-prompts", type=int, help="prompts for the slow row; default 16 (8b), 6 (tiny)"
     )
     parser.add_argument("--batch-size", type=int, default=128, help="static: prompts per generate call")
-    parser.add_argument("--width-multiple", type=int, default=64, help="static: prompt widths padded to this")
+    parser.add_argument("--min-width", type=int, default=64, help="static: widths padded to this x 2^k")
     parser.add_argument("--no-compile", action="store_true", help="static: no compiled decode step")
     parser.add_argument(
         "--bandwidth-tbs", type=float, default=4.8, help="device memory bandwidth (H200: 4.8)"
@@ -148,7 +148,7 @@ def main() -> int:
         f"{new_tokens} new tokens each"
     )
     settings = RegenSettings(
-        max_new_tokens=new_tokens, batch_size=args.batch_size, width_multiple=args.width_multiple,
+        max_new_tokens=new_tokens, batch_size=args.batch_size, min_width=args.min_width,
         compile=not args.no_compile,
     )  # fmt: skip
 

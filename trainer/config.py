@@ -218,8 +218,9 @@ class DataConfig:
     static measured faster on an H200 (docs/PERFORMANCE.md); both give the same answers in float32."""
     regen_shard_size: int = 1024
     """Conversations per shard file: the unit of resuming and of sharing work among devices."""
-    regen_width_multiple: int = 32
-    """Static engine: prompt widths are padded up to a multiple of this, so compiled shapes repeat."""
+    regen_min_width: int = 64
+    """Static engine: a batch's prompt width is padded up to this times a power of two (64, 128, 256,
+    ...), so only a few shapes compile; a batch that is not full is filled up when compiled."""
     regen_compile: bool = True
     """Static engine on CUDA: compile the decode step (transformers' own auto-compile). With several
     worker threads it is off: Dynamo is not thread safe (docs/ARCHITECTURE.md)."""
@@ -230,7 +231,7 @@ class DataConfig:
         out = []
         if self.regen_max_new_tokens < 1:
             out.append(f"data.regen_max_new_tokens must be at least 1, got {self.regen_max_new_tokens}")
-        for name in ("regen_batch_size", "regen_shard_size", "regen_width_multiple"):
+        for name in ("regen_batch_size", "regen_shard_size", "regen_min_width"):
             if getattr(self, name) < 1:
                 out.append(f"data.{name} must be at least 1, got {getattr(self, name)}")
         if self.regen_engine not in ("static", "continuous"):

@@ -60,7 +60,7 @@ def write_data(path: pathlib.Path, embedded, count: int) -> pathlib.Path:
 
 
 def settings(**changes) -> RegenSettings:
-    base = {"max_new_tokens": NEW_TOKENS, "shard_size": 4, "batch_size": 3, "width_multiple": 8}
+    base = {"max_new_tokens": NEW_TOKENS, "shard_size": 4, "batch_size": 3, "min_width": 8}
     return RegenSettings(**{**base, **changes})
 
 
@@ -181,7 +181,7 @@ def test_the_key_streams_the_file_and_covers_what_decides_the_answers(tmp_path, 
     monkeypatch.setattr(pathlib.Path, "read_bytes", no_whole_file_reads)
     monkeypatch.setattr(pathlib.Path, "read_text", no_whole_file_reads)
     key = regen_key(data, target_path, target_path, settings())
-    assert key == regen_key(data, target_path, target_path, settings(batch_size=7, width_multiple=64))
+    assert key == regen_key(data, target_path, target_path, settings(batch_size=7, min_width=64))
     for changed in ({"max_new_tokens": 11}, {"dtype": "bfloat16"}, {"engine": "continuous"}):
         assert regen_key(data, target_path, target_path, settings(**changed)) != key, changed
     with data.open("ab") as handle:

@@ -11,8 +11,8 @@ next start generates only what is missing. The key covers the data file's bytes 
 chunks), the target's and tokenizer's files, the generation settings and the dtype.
 
 Engines (data.regen_engine): "static" is `generate` with a static KV cache (compiled on CUDA) over
-left-padded batches of similar length, widths rounded up to `width_multiple` so few shapes
-compile; "continuous" is transformers' continuous batching (`generate_batch`, paged attention).
+left-padded batches of similar length, widths rounded up to min_width x a power of two so few
+shapes compile; "continuous" is transformers' continuous batching (`generate_batch`, paged attention).
 Both are greedy; in float32 both give plain `generate`'s answers token for token.
 """
 
@@ -48,12 +48,12 @@ class RegenSettings:
     engine: str = "static"
     shard_size: int = 1024
     batch_size: int = 64
-    width_multiple: int = 32
+    min_width: int = 64
     compile: bool = True
     dtype: str = "float32"
 
     def key_fields(self) -> str:
-        # batch_size and width_multiple change how, not what (exactly so in float32).
+        # batch_size and min_width change how, not what (exactly so in float32).
         return f"{REGEN_FORMAT}|{self.max_new_tokens}|{self.engine}|{self.shard_size}|{self.dtype}"
 
 
@@ -171,15 +171,26 @@ def cut_answer(row: list[int], end_id: int) -> list[int]:
     return row[: row.index(end_id)] if end_id in row else row
 
 
+def bucket_width(longest: int, min_width: int) -> int:
+    """min_width x the smallest power of two that holds `longest` (64, 128, 256, ...)."""
+    width = min_width
+    while width < longest:
+        width *= 2
+    return width
+
+
 def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> list[list[int]] | None:
-    """`generate` with a static cache over left-padded batches of similar length (sorted), widths
-    rounded up to width_multiple so compiled shapes repeat. None if a stop came between batches."""
+    """`generate` with a static cache over left-padded batches of similar length (sorted). Each
+    compiled shape is a (batch, width) pair: widths are bucketed (bucket_width), and when compiling
+    a batch that is not full is filled with copies of its last prompt (their answers are dropped),
+    so a whole data set compiles a handful of shapes. None if a stop came between batches."""
     from transformers import GenerationConfig
 
     device = next(target.parameters()).device
+    compiled = settings.compile and device.type == "cuda"
     config = GenerationConfig(
         max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=chat.end_id,
-        pad_token_id=pad_id, cache_implementation="static", disable_compile=not settings.compile,
+        pad_token_id=pad_id, cache_implementation="static", disable_compile=not compiled,
     )  # fmt: skip
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[list[int]] = [[] for _ in prompts]
@@ -187,14 +198,16 @@ def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> lis
         if should_stop():
             return None
         chunk = order[first : first + settings.batch_size]
-        longest = max(len(prompts[i]) for i in chunk)
-        width = -(-longest // settings.width_multiple) * settings.width_multiple
-        ids = torch.tensor([[pad_id] * (width - len(prompts[i])) + prompts[i] for i in chunk])
-        mask = (torch.arange(width) >= width - torch.tensor([len(prompts[i]) for i in chunk])[:, None]).long()
+        rows = [prompts[i] for i in chunk]
+        if compiled:
+            rows += [rows[-1]] * (settings.batch_size - len(rows))
+        width = bucket_width(len(rows[-1]), settings.min_width)  # sorted: the last is the longest
+        ids = torch.tensor([[pad_id] * (width - len(row)) + row for row in rows])
+        mask = (torch.arange(width) >= width - torch.tensor([len(row) for row in rows])[:, None]).long()
         output = target.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
         )
-        for i, row in zip(chunk, output[:, width:].tolist(), strict=True):
+        for i, row in zip(chunk, output[: len(chunk), width:].tolist(), strict=True):
             answers[i] = cut_answer(row, chat.end_id)
     return answers
 

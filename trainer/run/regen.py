@@ -66,7 +66,7 @@ def settings_of(cfg: Config, workers_here: int) -> RegenSettings:
     d = cfg.data
     return RegenSettings(
         max_new_tokens=d.regen_max_new_tokens, engine=d.regen_engine, shard_size=d.regen_shard_size,
-        batch_size=d.regen_batch_size, width_multiple=d.regen_width_multiple,
+        batch_size=d.regen_batch_size, min_width=d.regen_min_width,
         compile=d.regen_compile and workers_here == 1, dtype=cfg.model.dtype,
     )  # fmt: skip
 
