@@ -16,7 +16,7 @@ import pytest
 
 from trainer.data.chat import iter_conversations
 
-from .conftest import REPO
+from .conftest import REPO, run_trainer
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process groups and SIGKILL")
 
@@ -89,6 +89,14 @@ def test_a_sigkill_half_way_then_a_rerun_equals_an_uninterrupted_regeneration(tm
     events = [json.loads(line) for line in (tmp_path / "r2" / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["regen", "regen", "regen"]  # start, (killed), start, end
     assert f"regenerated {CONVERSATIONS - 4 * kept} conversations" in events[-1]["text"]
+
+    # The trainer finds the data there: no regeneration of its own.
+    train_args = [*args[: args.index("--out")], "--steps=1", "--set=train.eval_max_new_tokens=2"]
+    trained = run_trainer(*train_args, "--out", str(tmp_path / "trained"), timeout=300)
+    assert trained.returncode == 0, trained.stderr
+    directory = shards(tmp_path / "c2")[0].parent
+    assert f"data: {CONVERSATIONS} regenerated conversations from {directory}" in trained.stdout
+    assert "regenerating" not in trained.stdout
 
 
 def test_two_ranks_under_torchrun_each_regenerate_their_shards(tmp_path, embedded, small_data):
