@@ -285,3 +285,13 @@ def test_the_chat_jsonl_export_keeps_the_input_and_replaces_the_answers(tmp_path
         for message, before, (role, ids) in zip(messages, original, turns, strict=True):
             expected = tiny[1].decode(ids) if role == "assistant" else before["content"]
             assert message["content"] == expected
+
+
+def test_a_cache_that_cannot_be_written_is_one_clear_error(tmp_path, tiny, data_and_reference):
+    data, _ = data_and_reference
+    regen = regeneration(tmp_path, data, tiny)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "regenerated").write_text("a file where the cache's directory goes")
+    expected = r"cannot write the regeneration cache .*point data.cache_dir at a"
+    with pytest.raises(DataError, match=expected), regen.lock():
+        pass

@@ -298,9 +298,15 @@ class Regeneration:
     @contextlib.contextmanager
     def lock(self):
         """One regeneration per key at a time on this cache (a second one is refused, not queued)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / ".lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise DataError(
+                f"cannot write the regeneration cache {self.directory}: {exc.strerror}; point "
+                "data.cache_dir at a writable directory with room for the regenerated data"
+            ) from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
