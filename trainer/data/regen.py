@@ -274,6 +274,9 @@ class Regeneration:
                  chat: ChatFormat, pad_id: int, max_positions: int | None):  # fmt: skip
         self.index, self.settings, self.key, self.chat = index, settings, key, chat
         self.pad_id, self.max_positions = pad_id, max_positions
+        # A fast tokenizer used from several threads at once can fail ("Already borrowed"): the
+        # workers take turns for it (it is cheap next to generating).
+        self.tokenizer_lock = threading.Lock()
         self.directory = cache_root / "regenerated" / key
         size = settings.shard_size
         self.ranges = [(s, min(s + size, len(index))) for s in range(0, len(index), size)]
@@ -339,7 +342,8 @@ class Regeneration:
 
     def regenerate_shard(self, start, end, target, progress, should_stop) -> list[dict] | None:
         conversations = self.index.read(start, end)
-        examples = [tokenized(messages, self.chat) for _, messages in conversations]
+        with self.tokenizer_lock:
+            examples = [tokenized(messages, self.chat) for _, messages in conversations]
         generate = GENERATORS[self.settings.engine]
         for turn in range(max(len(e.turns) for e in examples)):
             todo = [
@@ -347,7 +351,8 @@ class Regeneration:
             ]
             if not todo:
                 continue
-            prompts = [prompt_ids(examples[i], self.chat, turn) for i in todo]
+            with self.tokenizer_lock:
+                prompts = [prompt_ids(examples[i], self.chat, turn) for i in todo]
             self.check_context([conversations[i][0] for i in todo], prompts)
             with torch.no_grad():
                 answers = generate(target, prompts, self.settings, self.chat, self.pad_id, should_stop)
