@@ -149,7 +149,7 @@ def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, sho
         out.line(f"data: {begin}")
         note_stage(out_dir, world, "regenerating", progress.snapshot())
         if events is not None:
-            events.record("regen", begin)
+            events.record("regen", begin, reason="regenerating")
 
         def report() -> None:
             row = progress.snapshot()
@@ -167,7 +167,7 @@ def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, sho
         done = regeneration.conversations_done()
         out.line(f"data: regeneration stopped; {done:,} conversations are kept for the next start")
         if events is not None:
-            events.record("regen", f"regeneration stopped with {done:,} conversations kept")
+            events.record("regen", f"regeneration stopped with {done:,} conversations kept", reason="stopped")
         return False
     still_missing = regeneration.missing()
     if still_missing:
@@ -185,7 +185,7 @@ def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, sho
     out.line(f"data: {end_text}")
     note_stage(out_dir, world, "regenerated", row)
     if events is not None:
-        events.record("regen", end_text)
+        events.record("regen", end_text, reason="regenerated")
     return True
 
 
