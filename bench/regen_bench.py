@@ -3,6 +3,7 @@ product runs it, side by side on one device, on a Qwen3-shaped target with rando
 
     python bench/regen_bench.py --shape 8b                      # one H200: 512 prompts x 256 new tokens
     python bench/regen_bench.py --shape 8b --rows static,continuous --batch-size 256
+    python bench/regen_bench.py --shape 8b --rows static --profile   # where a static pass's time goes
     python bench/regen_bench.py --shape tiny                    # CPU: checks the harness only
 
 Prompts have long-tailed lengths (log-normal, median --median, 16..1500 tokens), like chat data.
@@ -87,12 +88,26 @@ def memory_bound_tokens_per_s(
     return in_flight * bandwidth_tbs * 1e12 / step_bytes
 
 
-def timed(name, device, run, prompts, limit) -> None:
+def profiled(device, run):
+    """run() under torch.profiler; prints the operators that took the most time (device time on
+    CUDA), so a slow row shows whether it waits on kernels, launches or the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        answers = run()
+        synchronize(device)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=15), flush=True)
+    return answers
+
+
+def timed(name, device, run, prompts, limit, profile=False) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     synchronize(device)
     began = time.perf_counter()
-    answers = run()
+    answers = profiled(device, run) if profile else run()
     synchronize(device)
     seconds = time.perf_counter() - began
     tokens = sum(map(len, answers))
@@ -125,6 +140,11 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=128, help="static: prompts per generate call")
     parser.add_argument("--min-width", type=int, default=64, help="static: widths padded to this x 2^k")
     parser.add_argument("--no-compile", action="store_true", help="static: no compiled decode step")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile each row's last pass: the top operators by device time",
+    )
     parser.add_argument(
         "--bandwidth-tbs", type=float, default=4.8, help="device memory bandwidth (H200: 4.8)"
     )
@@ -172,13 +192,14 @@ def main() -> int:
                     target, prompts, new_tokens, len(prompts), args.bandwidth_tbs
                 )
                 run = lambda: continuous_generate(target, prompts, settings, BenchChat(), PAD_ID, never)  # noqa: E731
-                timed("continuous (defaults)", device, run, prompts, limit)
+                timed("continuous (defaults)", device, run, prompts, limit, args.profile)
             elif row == "static":
                 in_flight = min(args.batch_size, len(prompts))
                 limit = memory_bound_tokens_per_s(target, prompts, new_tokens, in_flight, args.bandwidth_tbs)
                 run = lambda: static_generate(target, prompts, settings, BenchChat(), PAD_ID, never)  # noqa: E731
                 for attempt in (1, 2):  # the first pass compiles each new shape
-                    timed(f"static (product) pass {attempt}", device, run, prompts, limit)
+                    profile = args.profile and attempt == 2
+                    timed(f"static (product) pass {attempt}", device, run, prompts, limit, profile)
             else:
                 parser.error(f"unknown row {row!r}; rows are today, continuous, static")
     return 0
