@@ -107,11 +107,16 @@ def generate_all(regen: Regeneration, targets, should_stop=lambda: False) -> boo
     return run_workers(regen, targets, Progress(len(regen.index)), should_stop, lambda: None, 60.0)
 
 
-@pytest.mark.parametrize("engine", ["static", "continuous"])
-def test_answers_equal_plain_greedy_generate_in_float32(tmp_path, tiny, data_and_reference, engine):
+@pytest.mark.parametrize(
+    ("engine", "compile"),
+    [("static", True), ("static", False), ("continuous", True)],
+    ids=["static", "static-several-threads", "continuous"],
+)
+def test_answers_equal_plain_greedy_generate_in_float32(tmp_path, tiny, data_and_reference, engine, compile):
     data, reference = data_and_reference
     # One shard for continuous batching: each call sets up its paged cache, slow on a shared CPU.
-    regen = regeneration(tmp_path, data, tiny, engine=engine, shard_size=4 if engine == "static" else 10)
+    shard_size = 4 if engine == "static" else 10
+    regen = regeneration(tmp_path, data, tiny, engine=engine, shard_size=shard_size, compile=compile)
     regen.prepare()
     assert generate_all(regen, [tiny[0]])
     assert regenerated(regen) == reference

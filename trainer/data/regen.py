@@ -188,9 +188,12 @@ def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> lis
 
     device = next(target.parameters()).device
     compiled = settings.compile and device.type == "cuda"
+    # Uncompiled (several worker threads: Dynamo is not thread safe) the dynamic cache is the faster
+    # one (H200: 775 tok/s dynamic; the static cache pays off once compiled, 1,366).
+    cache = "static" if settings.compile else None
     config = GenerationConfig(
         max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=chat.end_id,
-        pad_token_id=pad_id, cache_implementation="static", disable_compile=not compiled,
+        pad_token_id=pad_id, cache_implementation=cache, disable_compile=not compiled,
     )  # fmt: skip
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[list[int]] = [[] for _ in prompts]
