@@ -217,9 +217,26 @@ def test_a_conversation_longer_than_the_context_is_named_and_finished_shards_sta
     data.write_text("\n".join(lines) + "\n")
     regen = regeneration(tmp_path, data, tiny, max_positions=60)
     regen.prepare()
-    with pytest.raises(DataError, match=rf"{data}:{long_line}: .*more than the target's context of 60"):
+    named = rf"{data}:{long_line}: .*more than the target's context of 60"
+    with pytest.raises(DataError, match=named):  # the check before anything is generated
+        regen.check_contexts_before_generating(regen.missing())
+    assert regen.missing() == [0, 1]
+    with pytest.raises(DataError, match=named):  # the check of each batch, should the first miss one
         generate_all(regen, [tiny[0]])
     assert regen.missing() == [1]  # conversations 0-3 are kept
+
+
+def test_a_later_turn_that_may_not_fit_is_refused_before_generating(tmp_path, tiny):
+    """The first prompt fits; the second would not if the first answer took all its new tokens."""
+    data = tmp_path / "chat.jsonl"
+    fits = {"messages": [{"role": "user", "content": "one two"}, {"role": "assistant", "content": "x"}]}
+    two_turns = {
+        "messages": [*fits["messages"], {"role": "user", "content": "one " * 20}, fits["messages"][1]]
+    }
+    data.write_text(f"{json.dumps(fits)}\n{json.dumps(two_turns)}\n")
+    regen = regeneration(tmp_path, data, tiny, max_positions=40)  # 10 new tokens an answer
+    with pytest.raises(DataError, match=rf"{data}:2: the conversation needs up to 43 prompt tokens"):
+        regen.check_contexts_before_generating(regen.missing())
 
 
 def test_a_data_file_changed_during_the_regeneration_is_refused(tmp_path, embedded, tiny):

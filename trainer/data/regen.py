@@ -249,7 +249,6 @@ class Progress:
     done: int = 0
     tokens: int = 0
     started: float = field(default_factory=time.monotonic)
-    resumed_from: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, conversations: int, tokens: int) -> None:
@@ -260,8 +259,7 @@ class Progress:
     def snapshot(self) -> dict:
         with self.lock:
             elapsed = max(time.monotonic() - self.started, 1e-9)
-            fresh = self.done - self.resumed_from
-            rate = fresh / elapsed
+            rate = self.done / elapsed
             eta = (self.total - self.done) / rate if rate > 0 else None
             return {
                 "kind": "regen", "conversations": self.done, "total": self.total, "tokens": self.tokens,
@@ -373,12 +371,35 @@ class Regeneration:
             return
         for line, prompt in zip(lines, prompts, strict=True):
             if len(prompt) + self.settings.max_new_tokens > self.max_positions:
-                raise DataError(
-                    f"{self.index.path}:{line}: the conversation needs {len(prompt)} prompt tokens + "
-                    f"{self.settings.max_new_tokens} new ones, more than the target's context of "
-                    f"{self.max_positions}; shorten or remove it, or lower data.regen_max_new_tokens "
-                    "(the shards finished so far are kept)"
-                )
+                raise DataError(self.too_long(line, len(prompt)))
+
+    def too_long(self, line: int, prompt_tokens: int) -> str:
+        return (
+            f"{self.index.path}:{line}: the conversation needs up to {prompt_tokens} prompt tokens + "
+            f"{self.settings.max_new_tokens} new ones, more than the target's context of "
+            f"{self.max_positions}; shorten or remove it, or lower data.regen_max_new_tokens "
+            "(the shards finished so far are kept)"
+        )
+
+    def check_contexts_before_generating(self, shards: list[int]) -> None:
+        """Every conversation of these shards fits the target's context even if each earlier answer
+        takes all max_new_tokens: checked before any generation, so a conversation that cannot fit
+        stops the run at its start, not hours in (fixing the file changes its key)."""
+        if self.max_positions is None:
+            return
+        longest_answer = self.settings.max_new_tokens
+        for shard in shards:
+            for line, messages in self.index.read(*self.ranges[shard]):
+                with self.tokenizer_lock:
+                    example = tokenized(messages, self.chat)
+                    header = len(self.chat.header("assistant"))
+                    closing = len(self.chat.end) + len(self.chat.newline)
+                    prompt = 0
+                    for role, content in example.turns:
+                        if role == "assistant" and prompt + header + longest_answer > self.max_positions:
+                            raise DataError(self.too_long(line, prompt + header))
+                        body = longest_answer if role == "assistant" else len(content)
+                        prompt += len(self.chat.header(role)) + body + closing
 
     def write_shard(self, path: Path, rows: list[dict]) -> None:
         """Atomically: a temporary file, fsync, rename, fsync of the directory. A full disk leaves

@@ -141,6 +141,7 @@ def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, sho
         if world.local_rank == 0:
             regeneration.prepare()
         world.any(False)  # the other ranks write only once the directory is ready
+        regeneration.check_contexts_before_generating(mine)
         begin = (
             f"regenerating {len(regeneration.index):,} conversations ({share:,} on this "
             f"{'process' if world.world_size > 1 else 'machine'}, {len(targets)} device(s), engine "
