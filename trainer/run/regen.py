@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,10 +96,14 @@ def prepare_data(cfg: Config, source: DataSource, targets: list, world, out, sho
     """The run's data (see PreparedData); None when a stop came during the regeneration (what is
     done is kept). Bad data raises BadInput naming the file and line."""
     held_out = cfg.train.eval_prompts if held_out is None else held_out
+    began = time.monotonic()
     try:
         index = DataIndex.build(source.train_file)
     except (DataError, UnicodeDecodeError) as exc:
         raise BadInput(str(exc)) from None
+    out.line(
+        f"data: {len(index):,} conversations in {source.train_file} (read in {time.monotonic() - began:.1f}s)"
+    )
     if len(index) <= held_out:
         raise BadInput(
             f"{source.train_file} has {len(index)} conversations; more than train.eval_prompts="
