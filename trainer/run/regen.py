@@ -99,8 +99,12 @@ def prepare_data(cfg: Config, source: DataSource, targets: list, world, out, sho
     began = time.monotonic()
     try:
         index = DataIndex.build(source.train_file)
-    except (DataError, UnicodeDecodeError) as exc:
+    except DataError as exc:
         raise BadInput(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise BadInput(
+            f"{source.train_file}: not UTF-8 text ({exc.reason}); save it as UTF-8 JSON lines"
+        ) from None
     out.line(
         f"data: {len(index):,} conversations in {source.train_file} (read in {time.monotonic() - began:.1f}s)"
     )
