@@ -175,7 +175,7 @@ class Controller:
 
     def runs(self, run: str | None = None, **extravars: Any) -> list[dict[str, Any]]:
         """Run runs.yml; return every launch, newest first: run, run_id, host, state (running,
-        finished, stopped, failed, crashed, recovered), started, duration_s, step, total_steps,
+        regenerating, finished, stopped, failed, crashed, recovered), started, duration_s, step, total_steps,
         last_loss, best_tau, last_tau, tokens_per_s, restarts, exit_reason, in_ledger."""
         if run is not None:
             extravars = {"run": run, **extravars}
