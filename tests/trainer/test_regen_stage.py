@@ -85,6 +85,7 @@ def test_a_sigkill_half_way_then_a_rerun_equals_an_uninterrupted_regeneration(tm
     resumed = regen(*args)
     assert resumed.returncode == 0, resumed.stderr
     assert f"({CONVERSATIONS - 4 * kept} on this machine" in resumed.stdout  # only the missing shards
+    assert f"regen: {CONVERSATIONS}/{CONVERSATIONS} conversations" in resumed.stdout  # counts the kept ones
     assert (tmp_path / "resumed.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
     events = [json.loads(line) for line in (tmp_path / "r2" / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["regen", "regen", "regen"]  # start, (killed), start, end

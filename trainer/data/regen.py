@@ -243,9 +243,12 @@ GENERATORS = {"static": static_generate, "continuous": continuous_generate}
 
 @dataclass
 class Progress:
-    """Conversations and tokens done across every worker of this process (thread-safe)."""
+    """Conversations and tokens done across every worker of this process (thread-safe): of `total`
+    (this process's share of the data set), `done_before` were done by an earlier start; the rate
+    and the time left count this start's work only."""
 
     total: int
+    done_before: int = 0
     done: int = 0
     tokens: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -260,9 +263,10 @@ class Progress:
         with self.lock:
             elapsed = max(time.monotonic() - self.started, 1e-9)
             rate = self.done / elapsed
-            eta = (self.total - self.done) / rate if rate > 0 else None
+            eta = (self.total - self.done_before - self.done) / rate if rate > 0 else None
             return {
-                "kind": "regen", "conversations": self.done, "total": self.total, "tokens": self.tokens,
+                "kind": "regen", "conversations": self.done_before + self.done, "total": self.total,
+                "tokens": self.tokens,
                 "tokens_per_s": self.tokens / elapsed, "elapsed_s": elapsed, "eta_s": eta,
             }  # fmt: skip
 

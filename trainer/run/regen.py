@@ -141,9 +141,16 @@ def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, sho
         return True
     workers = world.world_size * len(targets)
     first_worker = world.rank * len(targets)
-    mine = [s for s in missing if first_worker <= s % workers < first_worker + len(targets)]
-    share = sum(regeneration.ranges[s][1] - regeneration.ranges[s][0] for s in mine)
-    progress = Progress(total=share)
+
+    def ours(shards: list[int]) -> list[int]:
+        return [s for s in shards if first_worker <= s % workers < first_worker + len(targets)]
+
+    def size(shards: list[int]) -> int:
+        return sum(regeneration.ranges[s][1] - regeneration.ranges[s][0] for s in shards)
+
+    mine = ours(missing)
+    share, whole_share = size(mine), size(ours(list(range(len(regeneration.ranges)))))
+    progress = Progress(total=whole_share, done_before=whole_share - share)
     events = stage_events(cfg, out_dir) if out_dir is not None and world.is_lead else None
     lock = regeneration.lock() if world.local_rank == 0 else contextlib.nullcontext()
     with lock:
@@ -188,8 +195,9 @@ def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, sho
             "a filesystem every host shares, or run python -m trainer.regen on one host first"
         )
     row = progress.snapshot()
+    fresh = row["conversations"] - progress.done_before  # this start's, not an earlier one's
     end_text = (
-        f"regenerated {row['conversations']:,} conversations, {row['tokens']:,} tokens in "
+        f"regenerated {fresh:,} conversations, {row['tokens']:,} tokens in "
         f"{row['elapsed_s']:.1f}s ({row['tokens_per_s']:,.0f} tok/s), cached at {regeneration.directory}"
     )
     out.line(f"data: {end_text}")
