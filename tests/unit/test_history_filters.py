@@ -203,3 +203,51 @@ def test_the_filters_are_published_under_their_names():
         "sparkline": curves.sparkline,
         "curve_lines": curves.curve_lines,
     }
+
+
+def test_a_launch_regenerating_its_data_says_so_and_its_end_names_the_data():
+    ledger = [record("prep", 70, "2026-01-02T10:00:00Z"), record("busy", 80, "2026-01-02T11:00:00Z")]
+    histories = {
+        "ct200": [
+            entry(
+                "prep",
+                [
+                    event("start", 70, "2026-01-02T10:00:01Z"),
+                    event(
+                        "regen",
+                        70,
+                        "2026-01-02T10:00:09Z",
+                        reason="regenerating",
+                        text="prep on h: regenerating",
+                    ),
+                    event(
+                        "regen",
+                        70,
+                        "2026-01-02T10:40:00Z",
+                        reason="regenerated",
+                        text="prep on h: regenerated 800,000 conversations",
+                    ),
+                    event("finish", 70, "2026-01-02T10:40:01Z", text="prep on h: finished"),
+                ],
+            ),
+            entry(
+                "busy",
+                [
+                    event("start", 80, "2026-01-02T11:00:01Z"),
+                    event(
+                        "regen",
+                        80,
+                        "2026-01-02T11:00:09Z",
+                        reason="regenerating",
+                        text="busy on h: regenerating",
+                    ),
+                ],
+            ),
+        ]
+    }
+    rows = {
+        row["run"]: row for row in history.run_rows(ledger, histories, {"ct200": {"70": False, "80": True}})
+    }
+    assert rows["busy"]["state"] == "regenerating"
+    assert rows["prep"]["state"] == "finished"
+    assert rows["prep"]["exit_reason"] == "finished; regenerated 800,000 conversations"
