@@ -115,7 +115,10 @@ class TrainConfig:
     batch_size: int = 8
     """Sequences per worker per step."""
     seq_len: int = 96
-    """Every sequence is padded or cut to this length (static shapes)."""
+    """Tokens per row (static shapes); a longer conversation is cut to it."""
+    packing: bool = True
+    """Fill each row with several whole conversations (each keeps its own positions and attention,
+    deterministic from the seed); false: one conversation per row, padded (for comparison)."""
     lr: float = 6e-4
     warmup_frac: float = 0.04
     weight_decay: float = 0.0

@@ -51,7 +51,10 @@ def test_short_run_learns(tmp_path, cache_dir):
     lines = result.stdout.splitlines()
     progress = [line for line in lines if re.match(r"^step \d+/\d+ ", line)]
     assert len(progress) == 6
-    assert re.match(r"^step 20/120 loss [0-9.]+ lr [0-9.e+-]+ tok/s \d+ eta \d+:\d\d:\d\d$", progress[0])
+    assert re.match(
+        r"^step 20/120 loss [0-9.]+ lr [0-9.e+-]+ tok/s \d+ padding \d+% anchors \d+% eta \d+:\d\d:\d\d$",
+        progress[0],
+    )
     evals_printed = [line for line in lines if re.match(r"^eval step \d+ tau [0-9.]+", line)]
     assert evals_printed[0].startswith("eval step 0 ")
     assert re.match(
@@ -64,6 +67,10 @@ def test_short_run_learns(tmp_path, cache_dir):
     train_rows = [row for row in rows if row["kind"] == "train"]
     assert [row["step"] for row in evals] == [0, 60, 120]
     assert {"step", "loss", "lr", "tokens_per_s", "elapsed_s"} <= set(train_rows[0])
+    # tok/s counts conversations' tokens only: padding and unfilled anchor slots are reported apart.
+    first = train_rows[0]
+    assert 0 < first["padding_share"] < 1 and 0 < first["valid_anchor_share"] <= 1
+    assert first["tokens_per_s"] == pytest.approx(first["row_tokens_per_s"] * (1 - first["padding_share"]))
     tau0, tau_end = evals[0]["tau"], evals[-1]["tau"]
     assert tau0 < 1.3  # an untrained drafter barely helps
     assert tau_end > tau0 + 0.5, (tau0, tau_end)  # it learned to imitate the target

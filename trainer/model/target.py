@@ -61,12 +61,19 @@ def shared_parts(target):
 
 
 @torch.no_grad()
-def target_features(target, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+def target_features(
+    target, input_ids: torch.Tensor, layer_ids: list[int], position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Outputs of the given target layers, concatenated: [b, L, K*H].
 
     hidden_states[0] is the embedding output, so layer i's output is hidden_states[i + 1].
+    position_ids that restart at 0 mark packed conversations: with no attention mask, transformers
+    then lets each token attend only within its own conversation
+    (transformers.masking_utils.find_packed_sequence_indices), as if each ran alone.
     """
-    out = target.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+    out = target.base_model(
+        input_ids=input_ids, position_ids=position_ids, output_hidden_states=True, use_cache=False
+    )
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 

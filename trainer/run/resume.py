@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, config_from_dict
-from ..data.chat import Loader
+from ..data.rows import Loader
 from ..parallel.sharding import load_optimizer_state, optimizer_state, wait_for_parameters
 from .checkpoint import (
     CheckpointError,
