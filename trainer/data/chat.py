@@ -59,6 +59,7 @@ class ChatFormat:
         self.start = self._special("<|im_start|>")
         self.end = self._special("<|im_end|>")
         self.newline = tokenizer.encode("\n", add_special_tokens=False)
+        self._headers: dict[str, list[int]] = {}  # per role: encode() needs one per turn
 
     def _special(self, token: str) -> list[int]:
         token_id = self.tokenizer.convert_tokens_to_ids(token)
@@ -74,7 +75,9 @@ class ChatFormat:
         return self.tokenizer.encode(content, add_special_tokens=False)
 
     def header(self, role: str) -> list[int]:
-        return self.start + self.tokenizer.encode(role + "\n", add_special_tokens=False)
+        if role not in self._headers:
+            self._headers[role] = self.start + self.tokenizer.encode(role + "\n", add_special_tokens=False)
+        return list(self._headers[role])
 
     def encode(self, turns: list[tuple[str, list[int]]]) -> tuple[list[int], list[int]]:
         """turns: (role, content ids). Returns (ids, loss mask)."""
