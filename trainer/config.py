@@ -208,7 +208,8 @@ class DataConfig:
     train_file: str = ""
     """JSONL, one {"messages": [{"role": ..., "content": ...}, ...]} per line; empty: embedded set."""
     cache_dir: str = "~/.cache/dflash-trainer"
-    """Embedded target, tokenizer and data set, and the target-regenerated data."""
+    """Embedded target, tokenizer and data set, the target-regenerated data, and the token stores
+    (store/: the tokenized conversations, memory-mapped; about 5 bytes per token)."""
     regenerate: bool = True
     """Replace assistant turns with the target's greedy answers (the drafter imitates the target)."""
     regen_max_new_tokens: int = 64

@@ -238,3 +238,8 @@ def test_a_checkpoint_from_before_the_store_resumes_its_order(tmp_path):
     loader.load_state_dict({"epoch": 0, "cursor": 4, "order": order, "generator": generator.get_state()})
     rows = [int(order[4]), int(order[5])]
     assert torch.equal(loader.next_batch().input_ids, assemble(train_set, rows).input_ids)
+
+    packed = build_train_set(store, seq_len=64, pad_id=0, packing=True, seed=0)
+    old = {"epoch": 0, "cursor": 4, "order": order, "generator": generator.get_state()}
+    with pytest.raises(ValueError, match=r"--set train\.packing=false"):
+        Loader(packed, batch_size=2, seed=0).load_state_dict(old)

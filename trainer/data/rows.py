@@ -194,6 +194,11 @@ class Loader:
             rows, order = len(state["order"]), state["order"].clone()
         else:
             rows, order = int(state["rows"]), None
+        if order is not None and self.train_set.packed:
+            raise ValueError(
+                "the checkpoint was written before packed rows, with one conversation per row: "
+                "resume it with --set train.packing=false"
+            )
         if rows != self.train_set.rows:
             raise ValueError(
                 f"the checkpoint's data has {rows} rows and this run's has {self.train_set.rows}: "
