@@ -6,10 +6,24 @@
     python bench/trainer_bench.py --shape tiny --gpus 0           # CPU: checks the harness only
     python bench/trainer_bench.py --shape 8b --gpus 1,2 --cold --settings nographs,process-nographs
                                   # scaling: each setting on 1 and 2 GPUs, cold compile caches
+    python bench/trainer_bench.py --shape 8b --gpus 1 --settings nographs --lengths full,chat
+                                  # real chat lengths: padded and packed rows side by side
 
-Per setting it prints tokens/s (sequence tokens through the target and drafter), samples/s, model
-FLOPs utilisation, peak GPU memory and the time to first step (building the drafter replicas,
-compiling and warming up, and the first step). The target has random weights, built in memory from
+Length mixes (`--lengths`, default full): `full` is every row one conversation of seq_len tokens,
+all supervised (the figures measured before packing existed); `chat` is a long-tailed mix, run
+twice, `chat-padded` (one conversation per row) and `chat-packed` (the trainer's own best-fit
+packing, position ids restarting per conversation): conversation lengths lognormal with a median
+of a quarter of seq_len (sigma 1), capped at seq_len, at least 8 tokens; the last 60 % of each
+conversation's tokens supervised (the answer). After the table a line gives, for each packed row,
+the time of one epoch of the chat mix against the padded one at the same anchor blocks per
+conversation (valid anchor blocks per second, padded over packed; the goal is at most 0.7x).
+
+Per setting it prints tokens/s (real tokens: a conversation's, not padding, through the target and
+drafter), samples/s (rows), model FLOPs utilisation (raw: every slot of every row and every anchor
+slot, as before; useful: only the target's work on real tokens, attention within each conversation,
+and the drafter's on valid anchors), the padding share, the share of valid anchors, peak GPU
+memory and the time to first step (building the drafter replicas, compiling and warming up, and
+the first step). The target has random weights, built in memory from
 its known config (the loading code path is not what is measured here). Settings run one after the
 other, so their figures are side by side. Threaded settings run in this process (one worker thread
 per GPU, the target replicas shared by them); process settings (`process-...`) run the process
@@ -267,7 +281,8 @@ def measure(name, shape, topology, devices, global_batch, started, log, args, ou
     losses = [float(loss) for loss in losses]  # after the clock: reading one waits for its step
     step_s = (time.perf_counter() - began) / args.steps
     if args.profile and name == args.profile:
-        profile_steps(topology, batch, devices, out_dir / f"trace_{name}.json")
+        label = name if batch.mix == "full" else f"{name}_{batch.mix}"
+        profile_steps(topology, batch, devices, out_dir / f"trace_{label}.json")
 
     # Sorted anchors drawn uniformly from T positions see on average (T-1)/2 context keys + a block.
     visible = (shape.seq_len - 1) / 2 + shape.block
