@@ -85,7 +85,7 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
-    """Packed rows of about three conversations; the 24 steps go past the end of an epoch."""
+    """Packed rows of about four conversations; the 24 steps go past the end of an epoch."""
     common = [
         "--run",
         "eager",
@@ -96,7 +96,7 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
         "--set",
         f"data.cache_dir={cache_dir}",
         "--set",
-        "train.seq_len=256",
+        "train.seq_len=320",
         "--set",
         "train.log_every=1",
         "--set",
@@ -109,7 +109,7 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
     result = run_trainer(*common, "--out", str(straight))
     assert result.returncode == 0, result.stderr
     packed = re.search(
-        r"^data: (\d+) training conversations in (\d+) rows of 256 tokens \(packed", result.stdout, re.M
+        r"^data: (\d+) training conversations in (\d+) rows of 320 tokens \(packed", result.stdout, re.M
     )
     conversations, rows = int(packed.group(1)), int(packed.group(2))
     assert rows < conversations / 2 and rows < 24 * 8  # several conversations a row; past an epoch
