@@ -296,3 +296,28 @@ def test_sharded_run_stops_and_resumes_exactly_sharded_or_not(tmp_path, cache_di
         want[4], rel=1e-6
     )
     assert list(resumed_unsharded.values()) == pytest.approx(list(want.values()), rel=1e-5)
+
+
+ANSWERED = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}'
+UNANSWERED = '{"messages": [{"role": "user", "content": "hi"}]}'
+
+
+@pytest.mark.parametrize(
+    ("lines", "said"),
+    [
+        ([ANSWERED, "{oops"], r"chat\.jsonl:2: not JSON .*; data\.train_file must hold one"),
+        ([UNANSWERED], r"chat\.jsonl: no conversation with an assistant turn; data\.train_file must"),
+    ],
+)  # fmt: skip
+def test_bad_training_data_is_one_line_naming_the_file_and_exit_2(tmp_path, cache_dir, embedded, lines, said):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    result = run_trainer(
+        "--run", "eager", "--out", str(out), "--set", f"data.cache_dir={cache_dir}",
+        "--set", f"data.train_file={data}", "--set", f"model.target_path={embedded[0]}", *FAST, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert re.search(said, result.stderr), result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())

@@ -234,7 +234,12 @@ def start_topology(cfg: Config, replicas: list[Replica], world: World, out: Outp
 
 def load_data(cfg: Config, models: Models, place: Placement, out: Output, should_stop):
     """(loader, held-out prompts), or None when a stop came during the target's regeneration."""
-    examples = regenerated_examples(cfg, models, place.devices[0], out, should_stop)
+    try:
+        examples = regenerated_examples(cfg, models, place.devices[0], out, should_stop)
+    except DataError as exc:  # a broken data file: its message names the file (and the line)
+        raise BadInput(
+            f'{exc}; data.train_file must hold one {{"messages": [...]}} per line, with an assistant turn'
+        ) from None
     if examples is None:
         return None
     train_examples, prompts = examples
