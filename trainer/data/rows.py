@@ -85,17 +85,16 @@ def pack(lengths: np.ndarray, seq_len: int, seed: int) -> tuple[np.ndarray, np.n
 
 
 def build_train_set(store: TokenStore, seq_len: int, pad_id: int, packing: bool, seed: int) -> TrainSet:
+    """The rows of a run: packed (several conversations a row) or padded (one a row)."""
     lengths = store.lengths()
-    supervised_in_row = store.manifest["supervised_tokens"]
-    if supervised_in_row == 0:
+    if store.manifest["supervised_tokens"] == 0:
         raise DataError("the data set has no supervised (assistant) token")
     if packing:
         pieces, row_offsets = pack(lengths, seq_len, seed)
     else:
         pieces = np.arange(len(lengths), dtype=np.int64)
         row_offsets = np.arange(len(lengths) + 1, dtype=np.int64)
-    train_set = TrainSet(store, seq_len, pad_id, packing, pieces, row_offsets, int((lengths > seq_len).sum()))
-    return train_set
+    return TrainSet(store, seq_len, pad_id, packing, pieces, row_offsets, int((lengths > seq_len).sum()))
 
 
 @dataclass
