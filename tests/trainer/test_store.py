@@ -243,3 +243,26 @@ def test_a_checkpoint_from_before_the_store_resumes_its_order(tmp_path):
     old = {"epoch": 0, "cursor": 4, "order": order, "generator": generator.get_state()}
     with pytest.raises(ValueError, match=r"--set train\.packing=false"):
         Loader(packed, batch_size=2, seed=0).load_state_dict(old)
+
+
+def test_a_full_disk_during_the_build_is_one_clear_error_and_leaves_nothing(tmp_path):
+    """A file size limit stands in for a full disk: the write fails part-way (EFBIG, as ENOSPC)."""
+    script = f"""
+import resource, signal, sys
+sys.path.insert(0, {str(REPO)!r})
+from pathlib import Path
+from tests.trainer.test_store import TinyChat, examples
+from trainer.data.chat import DataError
+from trainer.data.store import open_or_build
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failing write, not a killed process
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    open_or_build(Path({str(tmp_path)!r}), "k", TinyChat(), lambda: examples(2000))
+except DataError as exc:
+    print(exc)
+"""
+    result = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "cannot build the token store under" in result.stdout and "free space there" in result.stdout
+    key = store_key("k", TinyChat())
+    assert not (tmp_path / key).exists() and not list(tmp_path.glob(f".{key}.building.*"))
