@@ -14,6 +14,7 @@ log; sinks.py), and the stop decision and the evaluation's outcome hold on every
 from __future__ import annotations
 
 import datetime
+import hashlib
 import signal
 import socket
 import sys
@@ -263,11 +264,20 @@ def load_data(cfg: Config, models: Models, place: Placement, out: Output, should
 
 
 def data_source_key(cfg: Config, models: Models) -> str:
-    """What the training conversations are made from: the data file, the held-out split, and the
-    target and settings of the regeneration (when on)."""
+    """What the training conversations are made from: the data file (read in chunks: it may be
+    gigabytes), the held-out split, and the target and settings of the regeneration (when on)."""
     d = cfg.data
-    key = regen_cache_key(models.train_file, models.target_path, d.regen_max_new_tokens, cfg.model.dtype)
-    return f"{key}|regenerate={d.regenerate}|held_out={cfg.train.eval_prompts}"
+    digest = hashlib.sha256()
+    with models.train_file.open("rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    key = f"{digest.hexdigest()}|held_out={cfg.train.eval_prompts}|regenerate={d.regenerate}"
+    if d.regenerate:
+        target = sorted(
+            (p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in models.target_path.iterdir()
+        )
+        key += f"|{d.regen_max_new_tokens}|{cfg.model.dtype}|{target}"
+    return key
 
 
 def regenerated_examples(cfg: Config, models: Models, device: torch.device, out: Output, should_stop):
