@@ -243,8 +243,9 @@ def load_data(cfg: Config, models: Models, place: Placement, out: Output, should
         ) from None
     if examples is None:
         return None
-    train_examples, prompts = examples
-    source_key = data_source_key(cfg, models)  # issue 20: regenerated_examples returns this key
+    # Issue 20's regenerated_examples returns (conversations, prompts, source key): this line
+    # becomes `train_examples, prompts, source_key = examples` and data_source_key goes.
+    (train_examples, prompts), source_key = examples, data_source_key(cfg, models)
     chat, tokenizer, t = models.chat, models.tokenizer, cfg.train
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_id
     store_root = Path(cfg.data.cache_dir).expanduser() / "store"
