@@ -10,7 +10,7 @@ import torch
 from trainer.data.chat import ChatFormat, load_conversations, tokenize
 from trainer.model.drafter import DFlashDrafter, DrafterObjective, DrafterShape, target_layer_ids
 from trainer.model.objective import anchor_candidates, build_blocks
-from trainer.model.target import load_target, load_tokenizer, num_target_layers, shared_parts, target_features
+from trainer.model.target import FeatureReader, load_target, load_tokenizer, num_target_layers, shared_parts
 
 pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 BLOCK = 4
@@ -46,7 +46,8 @@ def losses(parts, ids, mask, positions, anchors, owner, conversations, attention
     pos = None if positions is None else positions[None]
     valid = torch.ones_like(anchors, dtype=torch.bool)
     blocks = build_blocks(ids, mask, anchors, valid, BLOCK, mask_id, 7.0, pos)
-    features = target_features(target, ids, layers, pos)
+    with torch.no_grad():
+        features = FeatureReader(target, layers)(ids, pos)  # the target cut after its last read layer
     objective = DrafterObjective(drafter, attention)
     out = []
     for conversation in range(conversations):
