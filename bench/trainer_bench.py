@@ -6,10 +6,24 @@
     python bench/trainer_bench.py --shape tiny --gpus 0           # CPU: checks the harness only
     python bench/trainer_bench.py --shape 8b --gpus 1,2 --cold --settings nographs,process-nographs
                                   # scaling: each setting on 1 and 2 GPUs, cold compile caches
+    python bench/trainer_bench.py --shape 8b --gpus 1 --settings nographs --lengths full,chat
+                                  # real chat lengths: padded and packed rows side by side
 
-Per setting it prints tokens/s (sequence tokens through the target and drafter), samples/s, model
-FLOPs utilisation, peak GPU memory and the time to first step (building the drafter replicas,
-compiling and warming up, and the first step). The target has random weights, built in memory from
+Length mixes (`--lengths`, default full): `full` is every row one conversation of seq_len tokens,
+all supervised (the figures measured before packing existed); `chat` is a long-tailed mix, run
+twice, `chat-padded` (one conversation per row) and `chat-packed` (the trainer's own best-fit
+packing, position ids restarting per conversation): conversation lengths lognormal with a median
+of a quarter of seq_len (sigma 1), capped at seq_len, at least 8 tokens; the last 60 % of each
+conversation's tokens supervised (the answer). After the table a line gives, for each packed row,
+the time of one epoch of the chat mix against the padded one at the same anchor blocks per
+conversation (valid anchor blocks per second, padded over packed; the goal is at most 0.7x).
+
+Per setting it prints tokens/s (real tokens: a conversation's, not padding, through the target and
+drafter), samples/s (rows), model FLOPs utilisation (raw: every slot of every row and every anchor
+slot, as before; useful: only the target's work on real tokens, attention within each conversation,
+and the drafter's on valid anchors), the padding share, the share of valid anchors, peak GPU
+memory and the time to first step (building the drafter replicas, compiling and warming up, and
+the first step). The target has random weights, built in memory from
 its known config (the loading code path is not what is measured here). Settings run one after the
 other, so their figures are side by side. Threaded settings run in this process (one worker thread
 per GPU, the target replicas shared by them); process settings (`process-...`) run the process
@@ -50,11 +64,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+
 from trainer.config import load_config
+from trainer.data.rows import pack, valid_anchor_count
 from trainer.model.drafter import target_layer_ids
 from trainer.parallel.replica import Replica
 from trainer.parallel.topology import ThreadedTopology
@@ -182,7 +199,8 @@ def flops_per_sample(shape: Shape, mean_visible_keys: float) -> dict[str, float]
         + 12 * attn_width * q * mean_visible_keys
     )
     head = 4 * q * s.vocab * s.hidden
-    return {"target": target, "drafter": fc + s.drafter_layers * per_layer + head}
+    drafter = fc + s.drafter_layers * per_layer + head
+    return {"target": target, "drafter": drafter, "target_linear_per_token": 2 * target_params}
 
 
 def synchronize(devices: list[torch.device]) -> None:
@@ -197,6 +215,8 @@ def setting_config(name: str, shape: Shape, devices: list[torch.device], args):
         *overrides,
         f"train.batch_size={shape.batch}",
         f"train.seq_len={shape.seq_len}",
+        # As the trainer: position ids reach the target only for packed rows.
+        f"train.packing={str(getattr(args, 'mix', 'full') == 'chat-packed').lower()}",
         f"train.steps={args.steps + args.warmup + 10}",
         f"drafter.num_layers={shape.drafter_layers}",
         f"drafter.num_context_layers={shape.context_layers}",
@@ -211,14 +231,71 @@ def setting_config(name: str, shape: Shape, devices: list[torch.device], args):
     return load_config(profile, sets=sets + args.sets)
 
 
+def chat_lengths(shape: Shape, count: int, seed: int) -> np.ndarray:
+    """The chat mix: lognormal conversation lengths, median a quarter of seq_len (sigma 1), capped
+    at seq_len, at least 8 tokens."""
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(shape.seq_len / 4), 1.0, count), 8, shape.seq_len).astype(np.int64)
+
+
+class Batches:
+    """The bench's batches for one length mix, with what each holds:
+    full: every row one conversation of seq_len tokens, all supervised (the rows measured so far);
+    chat-padded: one chat-mix conversation per row, padded; chat-packed: chat-mix conversations
+    packed by the trainer's own best fit. A chat conversation's last 60 % of tokens are supervised
+    (the answer), and its position ids start at 0."""
+
+    def __init__(self, mix: str, shape: Shape, global_batch: int):
+        self.mix, self.shape, self.global_batch = mix, shape, global_batch
+        self.generator = torch.Generator().manual_seed(1)
+        self.lengths = chat_lengths(shape, 64 * global_batch + 4096, seed=1)
+        if mix == "chat-packed":
+            self.pieces, self.row_offsets = pack(self.lengths, shape.seq_len, seed=1)
+        else:
+            self.pieces, self.row_offsets = np.arange(len(self.lengths)), np.arange(len(self.lengths) + 1)
+        self.next_row = 0
+        self.lengths_of: dict[int, list[int]] = {}  # a batch's conversation lengths, by id(input ids)
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t = self.global_batch, self.shape.seq_len
+        ids = torch.randint(0, self.shape.vocab - 2, (b, t), generator=self.generator)
+        if self.mix == "full":
+            return ids, torch.ones_like(ids), torch.arange(t).expand(b, t)
+        mask, positions = torch.zeros_like(ids), torch.arange(t).repeat(b, 1)
+        lengths = self.lengths_of[id(ids)] = []
+        for slot in range(b):
+            row = self.next_row % (len(self.row_offsets) - 1)
+            self.next_row += 1
+            filled = 0
+            for piece in self.pieces[self.row_offsets[row] : self.row_offsets[row + 1]]:
+                length = int(self.lengths[piece])
+                lengths.append(length)
+                mask[slot, filled + int(length * 0.4) : filled + length] = 1
+                positions[slot, filled : filled + length] = torch.arange(length)
+                filled += length
+            if self.mix == "chat-packed":
+                positions[slot, filled:] = torch.arange(t - filled)
+        return ids, mask, positions
+
+    def useful(self, batch, flops: dict[str, float]) -> dict[str, float]:
+        """Useful work in a batch: real tokens, valid anchors, and the FLOPs of both models counted
+        over real tokens (target: linear layers per token, attention per conversation) and valid
+        anchors only (drafter)."""
+        _, mask, positions = batch
+        s = self.shape
+        lengths = [s.seq_len] * positions.shape[0] if self.mix == "full" else self.lengths_of[id(batch[0])]
+        real_tokens = sum(lengths)
+        valid = valid_anchor_count(mask, positions, s.anchors)
+        attention = 2 * s.layers * s.heads * s.head_dim * sum(x * x for x in lengths)
+        target = flops["target_linear_per_token"] * real_tokens + attention
+        drafter = flops["drafter"] * valid / s.anchors
+        return {"real_tokens": real_tokens, "valid_anchors": valid, "flops": target + drafter}
+
+
 def measure(name, shape, topology, devices, global_batch, started, log, args, out_dir) -> dict:
     """Warm the topology up, take the first step, then time args.steps steps: the setting's row.
     `started` is when building the replicas began (the start of "time to first step")."""
-    generator = torch.Generator().manual_seed(1)
-
-    def batch():
-        ids = torch.randint(0, shape.vocab - 2, (global_batch, shape.seq_len), generator=generator)
-        return ids, torch.ones_like(ids)
+    batch = Batches(getattr(args, "mix", "full"), shape, global_batch)
 
     topology.launch()
     if not topology.wait_ready(lambda: False):
@@ -238,7 +315,8 @@ def measure(name, shape, topology, devices, global_batch, started, log, args, ou
     losses = [float(loss) for loss in losses]  # after the clock: reading one waits for its step
     step_s = (time.perf_counter() - began) / args.steps
     if args.profile and name == args.profile:
-        profile_steps(topology, batch, devices, out_dir / f"trace_{name}.json")
+        label = name if batch.mix == "full" else f"{name}_{batch.mix}"
+        profile_steps(topology, batch, devices, out_dir / f"trace_{label}.json")
 
     # Sorted anchors drawn uniformly from T positions see on average (T-1)/2 context keys + a block.
     visible = (shape.seq_len - 1) / 2 + shape.block
@@ -246,11 +324,21 @@ def measure(name, shape, topology, devices, global_batch, started, log, args, ou
     per_step = global_batch * (flops["target"] + flops["drafter"])
     gpus = global_batch // shape.batch if devices[0].type == "cuda" else 0
     peak = max((torch.cuda.max_memory_allocated(d) for d in devices if d.type == "cuda"), default=0)
+    useful = [batch.useful(b, flops) for b in batches]
+    real_tokens = sum(u["real_tokens"] for u in useful) / len(useful)
+    valid_anchors = sum(u["valid_anchors"] for u in useful) / len(useful)
+    useful_flops = sum(u["flops"] for u in useful) / len(useful)
     return {
-        "setting": name,
+        "setting": name if batch.mix == "full" else f"{name} {batch.mix}",
+        "mix": batch.mix,
         "gpus": gpus,
         "step_s": step_s,
-        "tokens_per_s": global_batch * shape.seq_len / step_s,
+        "tokens_per_s": real_tokens / step_s,
+        "row_tokens_per_s": global_batch * shape.seq_len / step_s,
+        "padding_share": 1 - real_tokens / (global_batch * shape.seq_len),
+        "valid_anchor_share": valid_anchors / (global_batch * shape.anchors),
+        "valid_blocks_per_s": valid_anchors / step_s,
+        "useful_mfu": useful_flops / step_s / (PEAK_BF16_FLOPS * max(gpus, 1)),
         "samples_per_s": global_batch / step_s,
         "tflops": per_step / step_s / 1e12,
         "mfu": per_step / step_s / (PEAK_BF16_FLOPS * max(gpus, 1)),
@@ -296,7 +384,7 @@ def run_process(name, shape, gpus, args, out_dir, env) -> dict:
     row_file.unlink(missing_ok=True)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "--max-restarts=0", __file__, "--worker", name, "--worker-row", str(row_file),
+        "--max-restarts=0", __file__, "--worker", name, "--worker-row", str(row_file), "--mix", args.mix,
         "--shape", args.shape, "--gpus", str(gpus), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--profile", args.profile, "--batch", str(args.batch),
     ]  # fmt: skip
@@ -381,9 +469,26 @@ def profile_steps(topology, batch, devices, trace_path: Path) -> None:
 def format_row(r: dict) -> str:
     return (
         f"{r['setting']:28} {r['gpus']:>4} {r['step_s']:>8.3f} {r['tokens_per_s']:>9.0f} "
-        f"{r['samples_per_s']:>9.2f} {r['tflops']:>8.1f} {r['mfu']:>6.1%} {r['of_790']:>6.1%} "
+        f"{r['samples_per_s']:>9.2f} {r['tflops']:>8.1f} {r['mfu']:>6.1%} {r['useful_mfu']:>6.1%} "
+        f"{r['of_790']:>6.1%} {r['padding_share']:>5.0%} {r['valid_anchor_share']:>7.0%} "
         f"{r['peak_gib']:>8.1f} {r['first_step_s']:>10.1f}"
     )
+
+
+def print_lengths(rows: list[dict]) -> None:
+    """Time for one epoch of the chat mix, packed against padded, at the same anchor blocks per
+    conversation: the padded epoch trains some number of valid blocks; packed rows train the same
+    number in that count / (valid blocks per second)."""
+    padded = {(r["setting"].rsplit(" ", 1)[0], r["gpus"]): r for r in rows if r["mix"] == "chat-padded"}
+    for r in rows:
+        base = padded.get((r["setting"].rsplit(" ", 1)[0], r["gpus"]))
+        if r["mix"] == "chat-packed" and base:
+            ratio = base["valid_blocks_per_s"] / r["valid_blocks_per_s"]
+            print(
+                f"{r['setting']}: one epoch of the chat mix takes {ratio:.2f}x the padded one at the same "
+                f"anchor blocks per conversation (goal: at most 0.7x); real tok/s {r['tokens_per_s']:.0f} "
+                f"vs {base['tokens_per_s']:.0f}; useful MFU {r['useful_mfu']:.1%} vs {base['useful_mfu']:.1%}"
+            )
 
 
 def main() -> int:
@@ -407,7 +512,13 @@ def main() -> int:
         "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
         help="a trainer setting for every setting (after its own), e.g. compile.mode=none",
     )  # fmt: skip
+    parser.add_argument(
+        "--lengths", default="full",
+        help="length mixes, comma-separated: full (every row one seq_len conversation), chat (a "
+        "long-tailed mix, run padded and packed side by side; see Batches)",
+    )  # fmt: skip
     parser.add_argument("--json", default="", help="write the rows here (rewritten after each setting)")
+    parser.add_argument("--mix", default="full", help=argparse.SUPPRESS)  # a torchrun rank's mix
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)  # a torchrun rank (run_process)
     parser.add_argument("--worker-row", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -441,10 +552,17 @@ def main() -> int:
         synchronize(devices_for(max(gpu_counts)))
         print(f"targets built in {time.perf_counter() - began:.1f}s", flush=True)
 
+    mixes = []
+    for mix in (m.strip() for m in args.lengths.split(",") if m.strip()):
+        if mix not in ("full", "chat", "chat-padded", "chat-packed"):
+            parser.error(f"--lengths takes full and chat, got {mix!r}")
+        mixes += ["chat-padded", "chat-packed"] if mix == "chat" else [mix]
     rows = []
-    for gpus in gpu_counts:
-        for name in settings:
-            print(f"setting {name} on {gpus or 'CPU'} {'GPU(s)' if gpus else ''} ...", flush=True)
+    for gpus, name, args.mix in ((g, n, m) for g in gpu_counts for n in settings for m in mixes):
+        if args.mix:  # every row
+            print(
+                f"setting {name} ({args.mix}) on {gpus or 'CPU'} {'GPU(s)' if gpus else ''} ...", flush=True
+            )
             if args.cold:
                 rows.append(run_isolated(name, gpus, args, out_dir))
             elif SETTINGS[name][0] in PROCESS_PROFILES:
@@ -458,11 +576,12 @@ def main() -> int:
 
     header = (
         f"{'setting':28} {'gpus':>4} {'step s':>8} {'tok/s':>9} {'samples/s':>9} {'TFLOP/s':>8} "
-        f"{'MFU':>6} {'of 790':>6} {'peak GiB':>8} {'1st step s':>10}"
+        f"{'MFU':>6} {'useful':>6} {'of 790':>6} {'pad':>5} {'anchors':>7} {'peak GiB':>8} {'1st step s':>10}"
     )
     print("\n" + header)
     for r in rows:
         print(format_row(r))
+    print_lengths(rows)
     if len(gpu_counts) > 1:
         print_scaling(rows, gpu_counts)
     return 0
@@ -497,7 +616,7 @@ def run_isolated(name: str, gpus: int, args, out_dir: Path) -> dict:
     command = [
         sys.executable, __file__, "--shape", args.shape, "--gpus", str(gpus), "--settings", name,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile", args.profile,
-        "--json", str(row_file), "--batch", str(args.batch),
+        "--json", str(row_file), "--batch", str(args.batch), "--lengths", args.mix,
     ]  # fmt: skip
     if args.attention:
         command += ["--attention", args.attention]

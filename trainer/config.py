@@ -124,7 +124,10 @@ class TrainConfig:
     batch_size: int = 8
     """Sequences per worker per step."""
     seq_len: int = 96
-    """Every sequence is padded or cut to this length (static shapes)."""
+    """Tokens per row (static shapes); a longer conversation is cut to it."""
+    packing: bool = True
+    """Fill each row with several whole conversations (each keeps its own positions and attention,
+    deterministic from the seed); false: one conversation per row, padded (for comparison)."""
     lr: float = 6e-4
     warmup_frac: float = 0.04
     weight_decay: float = 0.0
@@ -214,7 +217,8 @@ class DataConfig:
     train_file: str = ""
     """JSONL, one {"messages": [{"role": ..., "content": ...}, ...]} per line; empty: embedded set."""
     cache_dir: str = "~/.cache/dflash-trainer"
-    """Embedded target, tokenizer and data set, and the target-regenerated data."""
+    """Embedded target, tokenizer and data set, the target-regenerated data, and the token stores
+    (store/: the tokenized conversations, memory-mapped; about 5 bytes per token)."""
     regenerate: bool = True
     """Replace assistant turns with the target's greedy answers (the drafter imitates the target)."""
     regen_max_new_tokens: int = 64

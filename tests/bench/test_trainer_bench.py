@@ -39,3 +39,24 @@ def test_threaded_and_process_settings_give_rows(tmp_path: Path) -> None:
     # The same seed, data and model in both topologies: the first step's loss is the same.
     assert rows["process-nographs"]["loss_first"] == pytest.approx(rows["eager"]["loss_first"], rel=1e-4)
     assert not list(tmp_path.glob(".bench_row_*")), "the hand-over file is cleaned up"
+
+
+@pytest.mark.slow
+def test_chat_lengths_run_padded_and_packed_side_by_side(tmp_path: Path) -> None:
+    rows_file = tmp_path / "rows.json"
+    result = subprocess.run(
+        [
+            sys.executable, "bench/trainer_bench.py", "--shape", "tiny", "--gpus", "0",
+            "--settings", "eager", "--set", "compile.mode=none", "--lengths", "chat",
+            "--steps", "2", "--warmup", "0", "--json", str(rows_file),
+        ],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = {row["mix"]: row for row in json.loads(rows_file.read_text())["rows"]}
+    padded, packed = rows["chat-padded"], rows["chat-packed"]
+    assert packed["padding_share"] < 0.1 < padded["padding_share"]
+    assert packed["valid_anchor_share"] >= padded["valid_anchor_share"]
+    assert 0 < packed["useful_mfu"] <= packed["mfu"] and 0 < padded["useful_mfu"] < padded["mfu"]
+    assert "eager chat-packed: one epoch of the chat mix takes " in result.stdout

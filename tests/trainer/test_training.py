@@ -51,7 +51,10 @@ def test_short_run_learns(tmp_path, cache_dir):
     lines = result.stdout.splitlines()
     progress = [line for line in lines if re.match(r"^step \d+/\d+ ", line)]
     assert len(progress) == 6
-    assert re.match(r"^step 20/120 loss [0-9.]+ lr [0-9.e+-]+ tok/s \d+ eta \d+:\d\d:\d\d$", progress[0])
+    assert re.match(
+        r"^step 20/120 loss [0-9.]+ lr [0-9.e+-]+ tok/s \d+ padding \d+% anchors \d+% eta \d+:\d\d:\d\d$",
+        progress[0],
+    )
     evals_printed = [line for line in lines if re.match(r"^eval step \d+ tau [0-9.]+", line)]
     assert evals_printed[0].startswith("eval step 0 ")
     assert re.match(
@@ -64,6 +67,10 @@ def test_short_run_learns(tmp_path, cache_dir):
     train_rows = [row for row in rows if row["kind"] == "train"]
     assert [row["step"] for row in evals] == [0, 60, 120]
     assert {"step", "loss", "lr", "tokens_per_s", "elapsed_s"} <= set(train_rows[0])
+    # tok/s counts conversations' tokens only: padding and unfilled anchor slots are reported apart.
+    first = train_rows[0]
+    assert 0 < first["padding_share"] < 1 and 0 < first["valid_anchor_share"] <= 1
+    assert first["tokens_per_s"] == pytest.approx(first["row_tokens_per_s"] * (1 - first["padding_share"]))
     tau0, tau_end = evals[0]["tau"], evals[-1]["tau"]
     assert tau0 < 1.3  # an untrained drafter barely helps
     assert tau_end > tau0 + 0.5, (tau0, tau_end)  # it learned to imitate the target
@@ -78,6 +85,7 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
+    """Packed rows of about four conversations; the 24 steps go past the end of an epoch."""
     common = [
         "--run",
         "eager",
@@ -87,6 +95,8 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
         "3",
         "--set",
         f"data.cache_dir={cache_dir}",
+        "--set",
+        "train.seq_len=320",
         "--set",
         "train.log_every=1",
         "--set",
@@ -98,6 +108,11 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
     straight = tmp_path / "straight"
     result = run_trainer(*common, "--out", str(straight))
     assert result.returncode == 0, result.stderr
+    packed = re.search(
+        r"^data: (\d+) training conversations in (\d+) rows of 320 tokens \(packed", result.stdout, re.M
+    )
+    conversations, rows = int(packed.group(1)), int(packed.group(2))
+    assert rows < conversations / 2 and rows < 24 * 8  # several conversations a row; past an epoch
 
     interrupted = tmp_path / "interrupted"
     process = subprocess.Popen(
@@ -281,3 +296,28 @@ def test_sharded_run_stops_and_resumes_exactly_sharded_or_not(tmp_path, cache_di
         want[4], rel=1e-6
     )
     assert list(resumed_unsharded.values()) == pytest.approx(list(want.values()), rel=1e-5)
+
+
+ANSWERED = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}'
+UNANSWERED = '{"messages": [{"role": "user", "content": "hi"}]}'
+
+
+@pytest.mark.parametrize(
+    ("lines", "said"),
+    [
+        ([ANSWERED, "{oops"], r"chat\.jsonl:2: not JSON .*; data\.train_file must hold one"),
+        ([UNANSWERED], r"chat\.jsonl: no conversation with an assistant turn; data\.train_file must"),
+    ],
+)  # fmt: skip
+def test_bad_training_data_is_one_line_naming_the_file_and_exit_2(tmp_path, cache_dir, embedded, lines, said):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    result = run_trainer(
+        "--run", "eager", "--out", str(out), "--set", f"data.cache_dir={cache_dir}",
+        "--set", f"data.train_file={data}", "--set", f"model.target_path={embedded[0]}", *FAST, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert re.search(said, result.stderr), result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())

@@ -212,12 +212,18 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def rotary(self, block_positions: torch.Tensor, context_len: int) -> tuple[torch.Tensor, ...]:
+    def rotary(
+        self, block_positions: torch.Tensor, context_len: int, context_positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """RoPE tables (q_cos, q_sin, kv_cos, kv_sin): block queries at anchor+k, keys/values at
-        [0..context_len) then the block positions. Computed outside the compiled region: they
-        need no gradient, and trigonometry fused into every q/k kernel multiplies compile work."""
+        the context positions (each token's position in its conversation; None: 0..context_len-1)
+        then the block positions. Computed outside the compiled region: they need no gradient,
+        and trigonometry fused into every q/k kernel multiplies compile work."""
         b = block_positions.shape[0]
-        ctx_positions = torch.arange(context_len, device=block_positions.device).expand(b, context_len)
+        if context_positions is None:
+            ctx_positions = torch.arange(context_len, device=block_positions.device).expand(b, context_len)
+        else:
+            ctx_positions = context_positions.to(block_positions.device)
         q_cos, q_sin = rotary_cos_sin(block_positions, self.shape.head_dim, self.shape.rope_theta)
         kv_cos, kv_sin = rotary_cos_sin(
             torch.cat([ctx_positions, block_positions], dim=1), self.shape.head_dim, self.shape.rope_theta
@@ -230,9 +236,10 @@ class DFlashDrafter(nn.Module):
         block_ids: torch.Tensor,  # [b, Q]
         block_positions: torch.Tensor,  # [b, Q]
         allowed: torch.Tensor,  # [b, Q, L+Q]
+        context_positions: torch.Tensor | None = None,  # [b, L] positions in their conversations
     ) -> torch.Tensor:
         """Final-normed hidden states of the block positions, [b, Q, H]."""
-        rope = self.rotary(block_positions, target_features.shape[1])
+        rope = self.rotary(block_positions, target_features.shape[1], context_positions)
         return self.hidden_with_rotary(target_features, block_ids, *rope, allowed)
 
     def hidden_with_rotary(self, target_features, block_ids, q_cos, q_sin, kv_cos, kv_sin, allowed):
@@ -322,7 +329,12 @@ class DrafterObjective(nn.Module):
         self.loss_chunk_fn = loss_and_grad_of_chunk  # replaced by its compiled form (regional compile)
         self.flex_mask = None  # one FlexBlockMask per shape, kept across steps (see its docstring)
 
-    def forward(self, target_features, block_ids, block_positions, anchors, labels, weights):
+    def forward(
+        self, target_features, block_ids, block_positions, anchors, labels, weights,
+        anchor_starts=None, context_positions=None,
+    ):  # fmt: skip
+        """anchor_starts and context_positions (objective.Blocks) keep each block inside its own
+        conversation in a packed row; None: one conversation per row."""
         from .objective import FlexBlockMask, block_attention_mask
 
         context_len, block_size = target_features.shape[1], block_ids.shape[1] // anchors.shape[1]
@@ -332,10 +344,10 @@ class DrafterObjective(nn.Module):
                 block_size,
             ):
                 self.flex_mask = FlexBlockMask(context_len, block_size)
-            allowed = self.flex_mask(anchors)
+            allowed = self.flex_mask(anchors, anchor_starts)
         else:
-            allowed = block_attention_mask(anchors, context_len, block_size)
-        hidden = self.drafter.hidden(target_features, block_ids, block_positions, allowed)
+            allowed = block_attention_mask(anchors, context_len, block_size, anchor_starts)
+        hidden = self.drafter.hidden(target_features, block_ids, block_positions, allowed, context_positions)
         return frozen_head_cross_entropy(
             hidden.flatten(0, 1),
             self.drafter.shared.lm_head,

@@ -100,9 +100,14 @@ class FeatureReader(torch.nn.Module):
         self.base = layers_up_to(target, max(self.layer_ids))
         self.requires_grad_(False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """position_ids that restart at 0 mark packed conversations: with no attention mask,
+        transformers then lets each token attend only within its own conversation
+        (transformers.masking_utils.find_packed_sequence_indices), as if each ran alone."""
         # hidden_states[0] is the embedding output, so layer i's output is hidden_states[i + 1].
-        out = self.base(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+        out = self.base(
+            input_ids=input_ids, position_ids=position_ids, output_hidden_states=True, use_cache=False
+        )
         return torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
 
 

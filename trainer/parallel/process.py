@@ -231,12 +231,16 @@ class ProcessTopology:
         self.grad_scale = 1.0 / max(self.global_weight, 1e-12)
         return 1.0
 
-    def step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, int, torch.Tensor]:
+    def step(
+        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> tuple[float, int, torch.Tensor]:
         """One optimisation step on the global batch (this rank computes its shard): (loss, tokens,
         gradient norm as a tensor: reading it waits for the update)."""
-        ids = input_ids.chunk(self.world.world_size)[self.world.rank]
-        mask = loss_mask.chunk(self.world.world_size)[self.world.rank]
-        result = self.replica.compute(ids, mask, loss_scale=self._loss_scale)
+        size, rank = self.world.world_size, self.world.rank
+        ids = input_ids.chunk(size)[rank]
+        mask = loss_mask.chunk(size)[rank]
+        positions = None if position_ids is None else position_ids.chunk(size)[rank]
+        result = self.replica.compute(ids, mask, loss_scale=self._loss_scale, position_ids=positions)
         # Before the update is queued: this collective then waits only for the backward, and the
         # optimizer step runs on the device while the host prepares the next step.
         loss_sum, tokens = self.world.sum([float(result.loss_sum), float(result.tokens)])

@@ -120,17 +120,18 @@ class ThreadedTopology:
             )
 
     def _train_shard(
-        self, rank: int, ids: torch.Tensor, mask: torch.Tensor
+        self, rank: int, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None
     ) -> tuple[StepResult, torch.Tensor]:
         """Forward and backward on this worker's shard, gradients exchanged, the update applied."""
         replica = self.replicas[rank]
         if self.exchange is None:
-            result = replica.compute(ids, mask)
+            result = replica.compute(ids, mask, position_ids=positions)
             scale_gradients(replica, result.weight_sum)
         else:
             result = replica.compute(
-                ids, mask, loss_scale=lambda weight: self.exchange.report_weight(rank, weight)
-            )
+                ids, mask, loss_scale=lambda weight: self.exchange.report_weight(rank, weight),
+                position_ids=positions,
+            )  # fmt: skip
             self.exchange.finish(rank)
             self.exchange.wait_reduced(rank)
         norm = replica.apply_update()
@@ -180,13 +181,19 @@ class ThreadedTopology:
         """Wait until every worker has warmed up. False if should_stop() turned true first."""
         return self._collect("ready", should_stop) is not None
 
-    def step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[StepLoss, int, torch.Tensor]:
+    def step(
+        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> tuple[StepLoss, int, torch.Tensor]:
         """One optimisation step on the global batch: (loss, read with float(), which waits for the
         step; tokens; gradient norm as a tensor on the first device, read likewise)."""
-        shards_ids = input_ids.chunk(len(self.replicas))
-        shards_mask = loss_mask.chunk(len(self.replicas))
-        for inbox, ids, mask in zip(self.inboxes, shards_ids, shards_mask, strict=True):
-            inbox.put((ids, mask))
+        workers = len(self.replicas)
+        shards_ids = input_ids.chunk(workers)
+        shards_mask = loss_mask.chunk(workers)
+        shards_positions = position_ids.chunk(workers) if position_ids is not None else [None] * workers
+        for inbox, ids, mask, positions in zip(
+            self.inboxes, shards_ids, shards_mask, shards_positions, strict=True
+        ):
+            inbox.put((ids, mask, positions))
         answers = self._collect("done", None)
         assert answers is not None
         results: list[StepResult] = [answers[rank][0] for rank in range(len(self.replicas))]  # type: ignore[index]

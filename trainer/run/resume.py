@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, config_from_dict
-from ..data.chat import Loader
+from ..data.rows import Loader
 from ..parallel.sharding import load_optimizer_state, optimizer_state, wait_for_parameters
 from .checkpoint import (
     CheckpointError,
@@ -71,7 +71,7 @@ def check_resumable(state: dict, cfg: Config, workers: int, path: Path) -> None:
         for key, value in getattr(saved, section).__dict__.items()
         if key not in ("cache_dir", "regen_batch_size") and getattr(getattr(cfg, section), key) != value
     ]
-    for key in ("batch_size", "seq_len", "seed"):
+    for key in ("batch_size", "seq_len", "seed", "packing"):
         if getattr(saved.train, key) != getattr(cfg.train, key):
             differences.append(
                 f"train.{key}: checkpoint {getattr(saved.train, key)!r}, now {getattr(cfg.train, key)!r}"
@@ -187,6 +187,9 @@ def restore(state: dict, topology, loader: Loader) -> None:
     load_optimizer_state(topology.replicas, state["optimizer"])
     for replica in topology.replicas:
         replica.scheduler.load_state_dict(state["scheduler"])
-    loader.load_state_dict(state["data"])
+    try:
+        loader.load_state_dict(state["data"])
+    except ValueError as exc:  # the rows differ: other data, or a checkpoint from before packing
+        raise BadInput(f"--resume: {exc}") from None
     torch.set_rng_state(state["rng"]["torch"])
     topology.set_worker_rng(state["rng"]["workers"], state["rng"]["cuda"])

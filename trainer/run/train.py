@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 
 from ..config import Config
-from ..data.chat import ChatFormat, Loader, build_train_set
+from ..data.chat import ChatFormat, DataError
 from ..data.embedded import ensure_embedded
+from ..data.rows import Batch, Loader, build_train_set, valid_anchor_count
+from ..data.store import open_or_build
 from ..model.drafter import target_layer_ids
 from ..model.evaluate import acceptance_length
 from ..model.target import load_target, load_tokenizer, num_target_layers
@@ -223,19 +225,33 @@ def start_topology(cfg: Config, replicas: list[Replica], world: World, out: Outp
 
 def load_data(cfg: Config, models: Models, place: Placement, out: Output, should_stop):
     """(loader, held-out prompts), or None when a stop came during the target's regeneration."""
-    examples = regenerated_examples(cfg, models, place, out, should_stop)
+    try:
+        examples = regenerated_examples(cfg, models, place, out, should_stop)
+    except DataError as exc:  # a broken data file: its message names the file (and the line)
+        raise BadInput(
+            f'{exc}; data.train_file must hold one {{"messages": [...]}} per line, with an assistant turn'
+        ) from None
     if examples is None:
         return None
-    train_examples, prompts, _data_key = examples
-    train_examples = list(train_examples)  # streamed from the shard files; the tables hold them all
-    chat, tokenizer = models.chat, models.tokenizer
+    train_examples, prompts, data_key = examples
+    # The training set also depends on which conversations are held out for evaluation.
+    source_key = f"{data_key}|held_out={cfg.train.eval_prompts}"
+    chat, tokenizer, t = models.chat, models.tokenizer, cfg.train
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_id
-    train_set = build_train_set(train_examples, chat, cfg.train.seq_len, pad_id)
+    store_root = Path(cfg.data.cache_dir).expanduser() / "store"
+    try:
+        store = open_or_build(store_root, source_key, chat, lambda: train_examples, out.line)
+        train_set = build_train_set(store, t.seq_len, pad_id, t.packing, t.seed)
+    except DataError as exc:
+        raise BadInput(f"{models.train_file}: {exc}") from None
+    rows = "packed" if t.packing else "padded, one conversation each"
     out.line(
-        f"data: {len(train_examples)} training conversations, {len(prompts)} held-out prompts, "
-        f"{train_set.supervised_fraction:.0%} of tokens supervised; target layers {models.layer_ids}"
+        f"data: {store.conversations} training conversations in {train_set.rows} rows of {t.seq_len} "
+        f"tokens ({rows}; {train_set.real_token_share():.0%} real tokens, the rest padding), "
+        f"{train_set.cut} cut to train.seq_len, {train_set.supervised_fraction():.0%} of tokens "
+        f"supervised, {len(prompts)} held-out prompts; target layers {models.layer_ids}"
     )
-    return Loader(train_set, cfg.train.batch_size * place.workers, cfg.train.seed), prompts
+    return Loader(train_set, t.batch_size * place.workers, t.seed), prompts
 
 
 def regenerated_examples(cfg: Config, models: Models, place: Placement, out: Output, should_stop):
@@ -322,13 +338,15 @@ class Run:
                 self.out.line(f"checkpoint saved step {step} by rank 0 on {host}: {saved}")
 
     def log_progress(self, step: int, loss: float, meter: Throughput) -> None:
-        tokens_per_s, eta, elapsed = meter.report(step)
+        window, eta, elapsed = meter.report(step)
         lr = self.models.replicas[0].scheduler.get_last_lr()[0]
         total = self.cfg.train.steps
         self.out.line(
-            f"step {step}/{total} loss {loss:.4f} lr {lr:.2e} tok/s {tokens_per_s:.0f} eta {format_eta(eta)}"
+            f"step {step}/{total} loss {loss:.4f} lr {lr:.2e} tok/s {window['tokens_per_s']:.0f} "
+            f"padding {window['padding_share']:.0%} anchors {window['valid_anchor_share']:.0%} "
+            f"eta {format_eta(eta)}"
         )
-        row = {"kind": "train", "step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s}
+        row = {"kind": "train", "step": step, "loss": loss, "lr": lr, **window}
         self.out.metric({**row, "elapsed_s": elapsed})
         self.warn_about_recompiles()
 
@@ -346,31 +364,59 @@ class Run:
         return 0
 
 
+@dataclass
+class StepCount:
+    """What one step's batch held: conversations' tokens, row slots, valid anchors, anchor slots."""
+
+    real_tokens: int
+    row_tokens: int
+    valid_anchors: int
+    anchor_slots: int
+
+
 class Throughput:
-    """Tokens per second over the steps since the last report, and the time left."""
+    """Over the steps since the last report: real tokens (conversations' tokens, not padding) per
+    second, the padding share of the rows, the share of anchor slots with a real anchor; and the
+    time left."""
 
     def __init__(self, total_steps: int):
         self.total_steps = total_steps
         self.started = self.window_start = time.monotonic()
-        self.tokens = self.steps = 0
+        self.counts = StepCount(0, 0, 0, 0)
+        self.steps = 0
 
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
+    def add(self, count: StepCount) -> None:
+        for name in ("real_tokens", "row_tokens", "valid_anchors", "anchor_slots"):
+            setattr(self.counts, name, getattr(self.counts, name) + getattr(count, name))
         self.steps += 1
 
-    def report(self, step: int) -> tuple[float, float, float]:
-        """(tokens/s, seconds left, seconds since the start); starts a new window."""
+    def report(self, step: int) -> tuple[dict[str, float], float, float]:
+        """(the window's figures, seconds left, seconds since the start); starts a new window."""
         now = time.monotonic()
-        tokens_per_s = self.tokens / max(now - self.window_start, 1e-9)
+        seconds = max(now - self.window_start, 1e-9)
+        c = self.counts
+        window = {
+            "tokens_per_s": c.real_tokens / seconds,
+            "row_tokens_per_s": c.row_tokens / seconds,
+            "padding_share": 1 - c.real_tokens / max(c.row_tokens, 1),
+            "valid_anchor_share": c.valid_anchors / max(c.anchor_slots, 1),
+        }
         eta = (now - self.window_start) / max(self.steps, 1) * (self.total_steps - step)
-        self.window_start, self.tokens, self.steps = now, 0, 0
-        return tokens_per_s, eta, now - self.started
+        self.window_start, self.counts, self.steps = now, StepCount(0, 0, 0, 0), 0
+        return window, eta, now - self.started
 
 
-def train_step(topology: Topology, loader: Loader) -> tuple[StepLoss | float, int, torch.Tensor]:
+def count_batch(batch: Batch, num_anchors: int) -> StepCount:
+    valid = valid_anchor_count(batch.loss_mask, batch.position_ids, num_anchors)
+    rows = batch.input_ids.shape[0]
+    return StepCount(batch.real_tokens, batch.input_ids.numel(), valid, rows * num_anchors)
+
+
+def train_step(topology: Topology, loader: Loader) -> tuple[StepLoss | float, Batch, torch.Tensor]:
     """One optimisation step: the next global batch through every worker, reduced, applied."""
-    input_ids, loss_mask = loader.next_batch()
-    return topology.step(input_ids, loss_mask)
+    batch = loader.next_batch()
+    loss, _, norm = topology.step(batch.input_ids, batch.loss_mask, batch.position_ids)
+    return loss, batch, norm
 
 
 def every(step: int, interval: int) -> bool:
@@ -390,9 +436,9 @@ def training_loop(run: Run, step: int) -> int:
     while step < total:
         if run.world.any(run.stop()):
             return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
-        loss, tokens, _ = train_step(run.topology, run.loader)
+        loss, batch, _ = train_step(run.topology, run.loader)
         step += 1
-        meter.add(tokens)
+        meter.add(count_batch(batch, cfg.drafter.num_anchors))
         if step == total or every(step, cfg.train.log_every):
             run.log_progress(step, float(loss), meter)
         if (step == total or every(step, cfg.train.eval_every)) and run.evaluate(step) is None:

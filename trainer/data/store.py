@@ -1,0 +1,197 @@
+"""The token store: tokenized conversations on disk as memory-mapped arrays, built once per source.
+
+A store is a directory of three flat arrays and a manifest:
+
+    tokens.bin    int32  every conversation's token ids, one after the other
+    mask.bin      uint8  the loss mask of each token (1: supervised, the assistant's own tokens)
+    offsets.bin   int64  conversation i is [offsets[i], offsets[i + 1]) of the two arrays above
+    manifest.json format version, the source key, the counts, and a checksum of the three files
+
+It is built once (in a temporary directory beside it, every file fsynced, then renamed into place,
+under a lock so the processes of one host build it once) and then opened read-only with np.memmap
+by every worker and rank: the pages are the kernel's page cache, shared, and a run's memory does
+not grow with the data set. A store whose manifest is missing or unreadable, of an older format,
+or whose files do not match its checksum is rebuilt, never half read.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .chat import ChatFormat, DataError, Example
+
+STORE_FORMAT = 1
+ARRAYS = {"tokens": np.int32, "mask": np.uint8, "offsets": np.int64}
+CHUNK = 1 << 22  # bytes per read while checksumming
+
+
+def store_key(source_key: str, chat: ChatFormat) -> str:
+    """The store's name: the source (the regenerated data's key) and how turns become ids."""
+    framing = [chat.start, chat.end, chat.newline, chat.header("assistant"), chat.header("user")]
+    text = f"{STORE_FORMAT}|{source_key}|{framing}"
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+@dataclass
+class TokenStore:
+    """An opened store: read-only memory maps of the arrays, and the manifest's counts."""
+
+    path: Path
+    tokens: np.ndarray
+    mask: np.ndarray
+    offsets: np.ndarray
+    manifest: dict
+
+    @property
+    def conversations(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def conversation(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return self.tokens[start:end], self.mask[start:end]
+
+
+def _checksum(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for name in ARRAYS:
+        with (directory / f"{name}.bin").open("rb") as handle:
+            while block := handle.read(CHUNK):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_store(directory: Path, examples: Iterable[Example], chat: ChatFormat, source_key: str) -> dict:
+    """Stream `examples` into the arrays of a new store at `directory` (which must not exist);
+    memory holds one conversation and the offsets (8 bytes per conversation)."""
+    directory.mkdir(parents=True)
+    offsets = [0]
+    supervised = 0
+    with (directory / "tokens.bin").open("wb") as tokens, (directory / "mask.bin").open("wb") as mask:
+        for example in examples:
+            ids, loss_mask = chat.encode(example.turns)
+            tokens.write(np.asarray(ids, dtype=np.int32).tobytes())
+            mask.write(np.asarray(loss_mask, dtype=np.uint8).tobytes())
+            offsets.append(offsets[-1] + len(ids))
+            supervised += sum(loss_mask)
+    np.asarray(offsets, dtype=np.int64).tofile(directory / "offsets.bin")
+    if len(offsets) == 1:
+        raise DataError("the data set has no conversation to train on")
+    lengths = np.diff(np.asarray(offsets))
+    manifest = {
+        "format": STORE_FORMAT,
+        "source_key": source_key,
+        "conversations": len(offsets) - 1,
+        "tokens": offsets[-1],
+        "supervised_tokens": supervised,
+        "longest": int(lengths.max()),
+        "sha256": _checksum(directory),
+    }
+    for name in ARRAYS:
+        _fsync_file(directory / f"{name}.bin")
+    manifest_path = directory / "manifest.json"
+    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    _fsync_file(manifest_path)
+    return manifest
+
+
+def check_store(directory: Path, verify: bool = True) -> tuple[dict | None, str]:
+    """(manifest, "") for a complete store of this format; (None, why) otherwise."""
+    try:
+        manifest = json.loads((directory / "manifest.json").read_text())
+    except FileNotFoundError:
+        return None, "it has no manifest (an interrupted build)"
+    except (OSError, ValueError) as exc:
+        return None, f"its manifest is unreadable ({exc})"
+    if not isinstance(manifest, dict) or manifest.get("format") != STORE_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        return None, f"it has format {found!r}, this trainer reads format {STORE_FORMAT}"
+    try:
+        sizes = {name: (directory / f"{name}.bin").stat().st_size for name in ARRAYS}
+    except OSError as exc:
+        return None, f"a file is missing ({exc.filename})"
+    expected = {
+        "tokens": manifest["tokens"] * 4,
+        "mask": manifest["tokens"],
+        "offsets": (manifest["conversations"] + 1) * 8,
+    }
+    if sizes != expected:
+        return None, f"its files have sizes {sizes}, the manifest says {expected}"
+    if verify and _checksum(directory) != manifest["sha256"]:
+        return None, "its files do not match the manifest's checksum (damaged on disk)"
+    return manifest, ""
+
+
+def open_store(directory: Path, manifest: dict) -> TokenStore:
+    arrays = {
+        name: np.memmap(directory / f"{name}.bin", dtype=dtype, mode="r") for name, dtype in ARRAYS.items()
+    }
+    return TokenStore(directory, arrays["tokens"], arrays["mask"], arrays["offsets"], manifest)
+
+
+def open_or_build(
+    root: Path,
+    source_key: str,
+    chat: ChatFormat,
+    examples: Callable[[], Iterable[Example]],
+    log: Callable[[str], None] = print,
+) -> TokenStore:
+    """The store of `source_key` under `root`: opened if complete and intact, else (re)built from
+    `examples()` first. One process of a host builds; the others wait on the lock, then open it."""
+    try:
+        return _open_or_build(root, source_key, chat, examples, log)
+    except OSError as exc:  # unwritable, full disk, ...: nothing half-built is left behind
+        raise DataError(
+            f"cannot build the token store under {root} ({exc.strerror or exc}); free space there or "
+            "set data.cache_dir to a writable directory with room for the tokenized data"
+        ) from None
+
+
+def _open_or_build(root, source_key, chat, examples, log) -> TokenStore:
+    root.mkdir(parents=True, exist_ok=True)
+    key = store_key(source_key, chat)
+    directory = root / key
+    with (root / f"{key}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (also if this process dies)
+        if directory.exists():
+            manifest, why = check_store(directory)
+            if manifest is not None:
+                return open_store(directory, manifest)
+            log(f"data: token store {directory} cannot be used: {why}; rebuilding it")
+            shutil.rmtree(directory)  # derived data: the source rebuilds it
+        for stale in root.glob(f".{key}.building.*"):  # left by a build that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        started = time.monotonic()
+        building = root / f".{key}.building.{os.getpid()}"
+        try:
+            manifest = write_store(building, examples(), chat, source_key)
+            os.rename(building, directory)
+            _fsync_file(root)
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
+        log(
+            f"data: token store built in {time.monotonic() - started:.1f}s: {manifest['conversations']} "
+            f"conversations, {manifest['tokens']} tokens, at {directory}"
+        )
+        return open_store(directory, manifest)
