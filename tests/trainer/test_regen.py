@@ -317,3 +317,25 @@ def test_a_cache_that_cannot_be_written_is_one_clear_error(tmp_path, tiny, data_
     expected = r"cannot write the regeneration cache .*point data.cache_dir at a"
     with pytest.raises(DataError, match=expected), regen.lock():
         pass
+
+
+def test_each_batch_gets_a_static_cache_of_its_own_width(tiny, monkeypatch):
+    """A long prompt does not make later batches attend over its cache: before every `generate`
+    the static engine lets the cache be sized to that batch, whatever earlier calls needed."""
+    from trainer.data.regen import static_generate
+
+    target, tokenizer, chat = tiny
+    prompts = [[5] * 40, [6] * 3, [7] * 4]  # one long, two short; batches of one
+    cache_lengths_before_call = []
+    generate = target.generate
+
+    def recording_generate(**kwargs):
+        cache_lengths_before_call.append(getattr(target, "_previous_max_cache_length", -1))
+        return generate(**kwargs)
+
+    monkeypatch.setattr(target, "generate", recording_generate)
+    target._previous_max_cache_length = 10_000  # as a long batch of an earlier call leaves it
+    pad_id = tokenizer.pad_token_id
+    answers = static_generate(target, prompts, settings(batch_size=1), chat, pad_id, lambda: False)
+    assert len(answers) == 3 and all(answers)
+    assert cache_lengths_before_call == [-1, -1, -1]

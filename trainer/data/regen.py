@@ -179,6 +179,18 @@ def bucket_width(longest: int, min_width: int) -> int:
     return width
 
 
+def size_cache_to_batch(target) -> None:
+    """Let the next `generate` size its static cache to this batch (width + new tokens).
+
+    Transformers keeps the longest static cache any earlier call needed, so one long prompt makes
+    every later batch attend over (and read) the whole of that cache at every decode step. Measured
+    on one H200 at the Qwen3-8B shape, batch 128, 128-token prompts, compiled: 13.6 ms a decode step
+    with a 161-token cache, 105 ms with a 2,304-token one. Each cache length compiles once; widths
+    are bucketed (bucket_width), so a data set has a handful."""
+    if hasattr(target, "_previous_max_cache_length"):
+        target._previous_max_cache_length = -1
+
+
 def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> list[list[int]] | None:
     """`generate` with a static cache over left-padded batches of similar length (sorted). Each
     compiled shape is a (batch, width) pair: widths are bucketed (bucket_width), and when compiling
@@ -207,6 +219,7 @@ def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> lis
         width = bucket_width(len(rows[-1]), settings.min_width)  # sorted: the last is the longest
         ids = torch.tensor([[pad_id] * (width - len(row)) + row for row in rows])
         mask = (torch.arange(width) >= width - torch.tensor([len(row) for row in rows])[:, None]).long()
+        size_cache_to_batch(target)
         output = target.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
         )
