@@ -66,10 +66,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from .parallel.topology import WorkerFailed
     from .run.checkpoint import CheckpointWriteError
-    from .run.train import BadInput, train
+    from .run.train import BadInput, Diverged, train
 
     try:
         return train(cfg, out_dir, args.resume)
+    except Diverged as exc:
+        return ended(out_dir, fail([str(exc)]), f"diverged: {exc}")
     except BadInput as exc:
         return ended(out_dir, fail([str(exc)]), f"bad input: {exc}")
     except CheckpointWriteError as exc:
