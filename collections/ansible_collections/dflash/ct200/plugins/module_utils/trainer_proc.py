@@ -25,6 +25,33 @@ PROGRESS_RE = re.compile(r"^step \d+/\d+ ")
 # and the trainer's own verdict (an `error: ...` line) comes before it.
 VERDICT_LINES = 400
 CHECKPOINT_RE = re.compile(r"^checkpoint saved step \d+ ")
+CONFIG_STEPS_RE = re.compile(r"^\s+steps:\s*(\d+)\s*$")
+
+
+def config_steps(out: str) -> int | None:
+    """train.steps of <out>/config.yml (the trainer writes it at every start), without a YAML parser."""
+    try:
+        with open(os.path.join(out, "config.yml"), encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    section = None
+    for line in lines:
+        if line and not line[0].isspace():
+            section = line.rstrip(":").strip()
+        elif section == "train" and (match := CONFIG_STEPS_RE.match(line)):
+            return int(match.group(1))
+    return None
+
+
+def run_steps(out: str) -> int | None:
+    """The steps an output's run was started with: its record's, else its config.yml's (a run
+    whose record was lost still knows its length), None where neither says."""
+    record = read_record(out)
+    steps = record.get("steps") if isinstance(record, dict) else None
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
+        return steps
+    return config_steps(out)
 
 
 def boot_id() -> str:
