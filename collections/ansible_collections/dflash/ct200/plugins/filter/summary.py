@@ -133,6 +133,28 @@ def stop_block(result: dict, host: str, record: dict | None) -> list[str]:
     return lines
 
 
+def repair_said(line, write: dict | None = None) -> str | None:
+    """A repair or update line as it really went: where the record could not be kept in the fact
+    cache or the ledger (the trainer_record action's cache_error and ledger_error), the line says
+    so instead of claiming the repair."""
+    if not line:
+        return line
+    write = write if isinstance(write, dict) else {}
+    cache_error, ledger_error = write.get("cache_error"), write.get("ledger_error")
+    if cache_error and ledger_error:
+        kept = "nothing kept on the controller"
+    elif cache_error:
+        kept = "ledger repaired"
+    elif ledger_error:
+        kept = "cache repaired"
+    else:
+        return line
+    line = str(line).replace("cache and ledger repaired", kept).replace(
+        "record and ledger updated", kept.replace("repaired", "updated")
+    )
+    return "; but ".join([line, *(error for error in (cache_error, ledger_error) if error)])
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -142,4 +164,5 @@ class FilterModule:
             "status_line": status_line,
             "status_block": status_block,
             "stop_block": stop_block,
+            "repair_said": repair_said,
         }
