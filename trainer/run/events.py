@@ -32,6 +32,7 @@ from .runrecord import jsonl_rows
 EVENTS_FILE = "events.jsonl"
 NOTIFY_URL_FILE_ENV = "DFLASH_NOTIFY_URL_FILE"
 RUN_ID_ENV = "DFLASH_RUN_ID"
+HOST_ENV = "DFLASH_HOST"
 NOTICE_TIMEOUT_S = 5.0
 NOTICE_FIELDS = ("run", "run_id", "host", "event", "exit_status", "step", "tau", "text")
 
@@ -140,7 +141,8 @@ class EventLog:
         self.out_dir = out_dir
         self.run = run
         self.run_id = run_id or os.environ.get(RUN_ID_ENV) or default_run_id(run, os.getpid())
-        self.host = socket.gethostname()
+        # The inventory's name for this host where the launch gave it (run.sh), as the docs show it.
+        self.host = os.environ.get(HOST_ENV) or socket.gethostname()
         self.notify_url = notify_url if notify_url is not None else read_notify_url()
         self.identity = process_identity()
 

@@ -223,7 +223,9 @@ def _verdict(lines: list[str]) -> dict:
 # The truth on the target: the run records and output locks under the workspace's runs directory
 # (module_utils/run_record.py is trainer/run/runrecord.py, linked: one owner of the format).
 
-ENDED_STATES = {"finished": "finished", "stopped": "stopped", "failed": "failed", "crashed": "failed"}
+# One vocabulary of end states (docs/OPERATING.md, "End states and exit statuses"): what the record
+# says is what status, the ledger and the history say.
+ENDED_STATES = {"finished": "finished", "stopped": "stopped", "failed": "failed", "crashed": "crashed"}
 KILLED_REASON = (
     "killed: it ended without closing its run record (SIGKILL, out of memory, or the host went down)"
 )
