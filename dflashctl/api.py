@@ -141,7 +141,8 @@ class Controller:
     ) -> dict[str, Any]:
         """Run export.yml: the recorded run (or ``run``), its newest valid checkpoint (or ``step``),
         exported to the DFlash format on the first trainer host and fetched to ``dest`` (default
-        <state_dir>/exports/<run_id>). Returns run, run_id, step, tau, dest, serve commands, ..."""
+        <state_dir>/exports/<run_id>/step_<N>, one per step; an explicit ``dest`` holding another
+        export is refused). Returns run, run_id, step, tau, dest, serve commands, live, note, ..."""
         if run is not None and not isinstance(run, str):
             raise TypeError(RUN_NAME_HINT)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):

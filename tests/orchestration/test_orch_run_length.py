@@ -68,6 +68,12 @@ def test_resume_continues_to_the_steps_the_run_was_started_with(state_dir: Path)
         log = Path(resumed["log"])
         wait_for(lambda: f"/{LONG} loss" in log.read_text(), what="a progress line of the resumed run")
         assert "resumed from" in log.read_text()
+
+        # An export of the live run says that the run goes on.
+        exported = ctl.export()
+        assert exported["live"] is True and "is still training" in exported["note"]
+        assert "the run goes on" in exported["note"]
+        assert exported["dest"].endswith(f"/exports/{resumed['run_id']}/step_{exported['step']}")
         assert ctl.stop()["state_before"] == "running"
     finally:
         stop_leftovers(ctl, state_dir)
