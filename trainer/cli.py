@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return train(cfg, out_dir, args.resume)
     except Diverged as exc:
-        return ended(out_dir, fail([str(exc)]), f"diverged: {exc}")
+        return ended(out_dir, fail([f"diverged: {exc}"]), f"diverged: {exc}")
     except BadInput as exc:
         return ended(out_dir, fail([str(exc)]), f"bad input: {exc}")
     except CheckpointWriteError as exc:

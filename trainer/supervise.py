@@ -155,7 +155,10 @@ class Supervisor:
             self.events.record("finish", "finished", exit_status=0, restarts=crashes)
             return 0
         if status == 2:
-            reason = crash_reason(status).replace("exit status 2: ", "bad input: ", 1)
+            reason = crash_reason(status)
+            # A diverged run (trainer/cli.py) says so; any other exit status 2 is bad input.
+            reason = reason.replace("exit status 2: diverged: ", "diverged: ", 1)
+            reason = reason.replace("exit status 2: ", "bad input: ", 1)
             self.events.record("failed", reason, exit_status=2, reason=reason, restarts=crashes)
             return 2
         if self.stop_signal is not None:

@@ -59,6 +59,7 @@ def test_non_finite_training_stops_failed_keeping_the_last_finite_checkpoint(
     assert code == 2  # bad input for the supervisor: no restart into the same divergence
     errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and caught in errors[0], captured.err
+    assert errors[0].startswith("error: diverged: ")
     assert "its newest checkpoint, step 2, is kept" in errors[0] and "lower train.lr" in errors[0]
     assert "Traceback" not in captured.err
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())

@@ -71,3 +71,33 @@ def test_events_name_the_inventory_host_where_the_launch_gives_it(tmp_path, monk
     row = EventLog(tmp_path, "r", run_id="r-1", notify_url="").record("start", "started")
     assert row["host"] == "ct200" and row["text"] == "r on ct200: started"
     assert json.loads((Path(tmp_path) / "events.jsonl").read_text())["host"] == "ct200"
+
+
+DIVERGING_CHILD = (
+    "import sys\n"
+    "print('error: diverged: the loss is nan at step 4 (train.lr 0.5); the run stopped', file=sys.stderr)\n"
+    "raise SystemExit(2)\n"
+)
+SUPERVISED = (
+    "import subprocess, sys\n"
+    "from pathlib import Path\n"
+    "from trainer.run.events import EventLog\n"
+    "from trainer.supervise import Supervisor\n"
+    "s = Supervisor([], 3, 0.0, EventLog(Path(sys.argv[1]), 'r', run_id='r-1', notify_url=''))\n"
+    "s.child = subprocess.Popen([sys.executable, '-c', sys.argv[2]])\n"
+    "raise SystemExit(s.how_it_ended(s.wait(), 0))\n"
+)
+
+
+def test_a_diverged_trainer_ends_the_run_failed_with_its_reason_and_no_restart(tmp_path) -> None:
+    log = tmp_path / "train.log"
+    with log.open("w") as stderr:  # the supervisor reads the reason from its own stderr: the log
+        code = subprocess.run(
+            [sys.executable, "-c", SUPERVISED, str(tmp_path), DIVERGING_CHILD],
+            stderr=stderr, cwd=Path(__file__).resolve().parents[2], timeout=60,
+        ).returncode  # fmt: skip
+    assert code == 2, log.read_text()
+    (failed,) = read_events(tmp_path)
+    assert failed["event"] == "failed" and failed["exit_status"] == 2
+    assert failed["reason"] == "diverged: the loss is nan at step 4 (train.lr 0.5); the run stopped"
+    assert failed["text"] == f"r on {failed['host']}: {failed['reason']}"  # the notice's line

@@ -83,3 +83,8 @@ def test_a_full_disk_in_the_log_is_a_crash_not_bad_input() -> None:
     verdict = trainer_proc.exit_from_log(["step 3/100 loss 1.0", line])
     assert verdict["exit_status"] == 1 and verdict["exit_reason"].startswith("crashed: disk full writing")
     assert trainer_proc.exit_from_log(["error: train.lr must be positive"])["exit_status"] == 2
+    said = "the loss is nan at step 4 (train.lr 0.5); ..."
+    assert trainer_proc.exit_from_log([f"error: diverged: {said}"]) == {
+        "exit_status": 2,
+        "exit_reason": f"diverged: {said}",
+    }

@@ -217,6 +217,8 @@ def _verdict(lines: list[str]) -> dict:
             # trainer/cli.py's full disk: exit status 1, not bad input (its record may not say so
             # where no space was reserved for it).
             return {"exit_status": 1, "exit_reason": "crashed: " + line[len("error: ") :]}
+        if line.startswith("error: diverged: "):
+            return {"exit_status": 2, "exit_reason": line[len("error: ") :]}
         if line.startswith("error: "):
             return {"exit_status": 2, "exit_reason": "bad input: " + line[len("error: ") :]}
         if line.startswith("Traceback ") or line.startswith("RuntimeError") or "Error: " in line:
