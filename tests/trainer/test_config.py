@@ -209,6 +209,13 @@ BAD_INPUT = [
 ]
 
 
+def test_the_eta_of_the_longest_allowed_run_is_a_line_not_an_overflow():
+    from trainer.run.train import format_eta
+
+    assert format_eta(3_600 * 1e9) == "999999 days, 0:00:00"  # 1e9 steps of an hour each
+    assert format_eta(-5) == "0:00:00" and format_eta(61) == "0:01:01"
+
+
 def test_a_profile_with_yaml_infinity_is_refused(tmp_path, monkeypatch):
     """YAML's `.inf` is a float like any other to the loader: the finite check catches it."""
     monkeypatch.setattr("trainer.config.RUNS_DIR", tmp_path)

@@ -87,3 +87,16 @@ def test_a_repair_is_said_as_it_went() -> None:
     assert "nothing kept on the controller; but c; but l" in both and "repaired" not in both
     ended = repair_said("run r has finished since: record and ledger updated", {"ledger_error": "l"})
     assert ended.endswith("cache updated; but l")
+
+
+def test_two_commands_reading_the_same_bad_file_set_it_aside_once(tmp_path, capsys) -> None:
+    """Two playbooks at once: the first moves the bad file aside, the second finds it gone (uncached)."""
+    first, second = unconfigured_cache(), unconfigured_cache()
+    path = tmp_path / "s1_ct200"
+    path.write_bytes(b"\x00garbage")
+    for cache in (first, second):
+        with pytest.raises(FileNotFoundError):
+            cache._load(str(path))
+    assert len(list(tmp_path.iterdir())) == 1
+    said = capsys.readouterr()
+    assert (said.err + said.out).count("moved aside to") == 1

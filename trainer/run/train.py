@@ -114,7 +114,8 @@ class Models:
 
 
 def format_eta(seconds: float) -> str:
-    return str(datetime.timedelta(seconds=int(max(0.0, seconds))))
+    # Bounded below timedelta's limit (999999999 days): a very long run's ETA must never end it.
+    return str(datetime.timedelta(seconds=int(min(max(0.0, seconds), 86400 * 999_999))))
 
 
 def place_workers(cfg: Config) -> Placement:
