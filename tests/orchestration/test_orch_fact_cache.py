@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import is_our_trainer, make_controller, stop_leftovers
 
-from dflashctl import Controller, Settings
+from dflashctl import Controller, PlaybookFailed, Settings
 
 TINY_FOREVER = [
     "compile.mode=none",
@@ -89,6 +89,11 @@ def test_a_cache_of_any_wrong_shape_is_set_aside_and_never_blocks_status_or_stop
         assert status["state"] == "running" and status["pid"] == record["pid"]
         assert "cache and ledger repaired" not in status["repaired"], status["repaired"]
         assert "ledger repaired; but the controller's fact cache cannot be used" in status["repaired"]
+
+        # A launch with a cache of the wrong shape is refused for what it is: the live trainer.
+        damage(state_dir, "wrong_types")
+        with pytest.raises(PlaybookFailed, match=f"as PID {record['pid']} "):
+            ctl.launch("nographs")
 
         damage(state_dir, "wrong_types")
         stopped = ctl.stop()
