@@ -4,6 +4,7 @@
 #
 #   ./dev.sh launch [RUN] [OPTIONS]  launch a run (default RUN: nographs); OPTIONS go to
 #                                    ansible-playbook: -e resume=true, -e fresh=true, -i inventory/pair
+#   ./dev.sh regen [RUN] [OPTIONS]   prepare the run's data (regenerate it), no training
 #   ./dev.sh status [OPTIONS]        report the run on the target
 #   ./dev.sh stop [OPTIONS]          stop it (SIGTERM, checkpoint, exit)
 #   ./dev.sh runs|logs|report|export [OPTIONS]   history, the log (-e follow=true), a PNG of
@@ -80,6 +81,13 @@ case "$command" in
             *) run=$1; shift ;;
         esac
         exec ansible-playbook playbooks/launch.yml -e "run=$run" "$@" ;;
+    regen)
+        run=nographs
+        case "${1:-}" in
+            "" | -*) ;;
+            *) run=$1; shift ;;
+        esac
+        exec ansible-playbook playbooks/regen.yml -e "run=$run" "$@" ;;
     status) exec ansible-playbook playbooks/status.yml "$@" ;;
     stop) exec ansible-playbook playbooks/stop.yml "$@" ;;
     runs | logs | report | export) exec ansible-playbook "playbooks/$command.yml" "$@" ;;
@@ -88,7 +96,7 @@ case "$command" in
     test) run_tests ;;
     bench) exec python scripts/bench_launch.py "$@" ;;
     *)
-        sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2
+        sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
         exit 2
         ;;
 esac

@@ -39,6 +39,8 @@ MFU = counted FLOPs / time / (989 TFLOP/s dense bf16 per H200 on paper x GPUs); 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -101,9 +103,39 @@ SETTINGS = {
     "process-nographs-bucket25": ("process", ["parallel.bucket_mb=25"]),  # DDP's default size
     # Each GPU updates only its slice of the parameters (reduce-scatter, sharded AdamW, all-gather).
     "nographs-sharded": ("nographs", ["parallel.shard_optimizer=true"]),
+    # The levers of one GPU's step, each turned off alone, and all of them together ("before"):
+    # the target's forward eager, the target run through all its layers, AdamW's foreach update.
+    "nographs-eager-target": ("nographs", ["compile.target=off"]),
+    "nographs-all-layers": ("nographs", [], ("all_layers",)),
+    "nographs-foreach": ("nographs", [], ("foreach",)),
+    "nographs-before": ("nographs", ["compile.target=off"], ("all_layers", "foreach")),
 }
 DEFAULT_SETTINGS = ("eager", "nographs", "max-autotune-no-cudagraphs")
 PROCESS_PROFILES = ("process", "graphs")  # run profiles whose run.topology is process
+
+
+def bench_patches(name: str) -> contextlib.ExitStack:
+    """The code changes a setting measures without them (third element of its SETTINGS entry)."""
+    from unittest import mock
+
+    import trainer.model.target
+
+    target_module, adamw = trainer.model.target, torch.optim.AdamW
+
+    def whole_target(target, _last_layer):
+        return target.base_model
+
+    def foreach_adamw(*args, **kwargs):
+        return adamw(*args, **{**kwargs, "fused": False})
+
+    stack = contextlib.ExitStack()
+    entry = SETTINGS[name]
+    for patch in entry[2] if len(entry) > 2 else ():
+        if patch == "all_layers":  # the target runs every layer, not only those the drafter reads
+            stack.enter_context(mock.patch.object(target_module, "layers_up_to", whole_target))
+        elif patch == "foreach":  # AdamW's multi-tensor update instead of the fused kernel
+            stack.enter_context(mock.patch.object(torch.optim, "AdamW", foreach_adamw))
+    return stack
 
 
 def build_target(shape: Shape, device: torch.device, dtype: torch.dtype):
@@ -160,7 +192,7 @@ def synchronize(devices: list[torch.device]) -> None:
 
 
 def setting_config(name: str, shape: Shape, devices: list[torch.device], args):
-    profile, overrides = SETTINGS[name]
+    profile, overrides = SETTINGS[name][:2]
     sets = [
         *overrides,
         f"train.batch_size={shape.batch}",
@@ -246,7 +278,8 @@ def run_threaded(name, shape, devices, targets, args, out_dir) -> dict:
     replicas: list[Replica] = []
     for rank, (device, target) in enumerate(zip(devices, targets, strict=True)):
         first = replicas[0] if replicas else None
-        replicas.append(Replica(cfg, device, target, layer_ids, shape.vocab - 1, rank, copy_of=first))
+        with bench_patches(name):
+            replicas.append(Replica(cfg, device, target, layer_ids, shape.vocab - 1, rank, copy_of=first))
     topology = ThreadedTopology(replicas, cfg.parallel.step_timeout_s, log)
     try:
         global_batch = shape.batch * len(devices)
@@ -265,7 +298,7 @@ def run_process(name, shape, gpus, args, out_dir, env) -> dict:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "--max-restarts=0", __file__, "--worker", name, "--worker-row", str(row_file),
         "--shape", args.shape, "--gpus", str(gpus), "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--profile", args.profile,
+        "--warmup", str(args.warmup), "--profile", args.profile, "--batch", str(args.batch),
     ]  # fmt: skip
     if args.attention:
         command += ["--attention", args.attention]
@@ -305,7 +338,8 @@ def worker(name: str, shape: Shape, args, out_dir: Path, row_file: Path) -> int:
         started = time.perf_counter()
         torch.manual_seed(0)
         layer_ids = target_layer_ids(shape.layers, shape.context_layers)
-        replica = Replica(cfg, device, target, layer_ids, mask_id=shape.vocab - 1, rank=world.rank)
+        with bench_patches(name):
+            replica = Replica(cfg, device, target, layer_ids, mask_id=shape.vocab - 1, rank=world.rank)
         topology = ProcessTopology(replica, world, log)
         global_batch = shape.batch * world.world_size
         row = measure(name, shape, topology, [device], global_batch, started, log, args, out_dir)
@@ -365,6 +399,7 @@ def main() -> int:
         "--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}"
     )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per setting")
+    parser.add_argument("--batch", type=int, default=0, help="rows per GPU per step (0: the shape's own)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
     parser.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="", help="override")
     parser.add_argument("--profile", default="", help="profile two steps of this setting")
@@ -390,6 +425,8 @@ def main() -> int:
     if max(gpu_counts) > 0 and torch.cuda.device_count() < max(gpu_counts):
         parser.error(f"--gpus {args.gpus}: torch sees {torch.cuda.device_count()} CUDA device(s)")
     shape = SHAPES[args.shape]
+    if args.batch:
+        shape = dataclasses.replace(shape, batch=args.batch)
     out_dir = Path(os.environ.get("OUT", ".")).resolve()
     if args.worker:
         args.gpus = gpu_counts[0]
@@ -460,7 +497,7 @@ def run_isolated(name: str, gpus: int, args, out_dir: Path) -> dict:
     command = [
         sys.executable, __file__, "--shape", args.shape, "--gpus", str(gpus), "--settings", name,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile", args.profile,
-        "--json", str(row_file),
+        "--json", str(row_file), "--batch", str(args.batch),
     ]  # fmt: skip
     if args.attention:
         command += ["--attention", args.attention]

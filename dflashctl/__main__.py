@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--resume", action="store_true", help="continue the run from its checkpoint")
     launch.add_argument("--fresh", action="store_true", help="start over; the earlier output is moved aside")
     launch.add_argument("--steps", type=int, help="the run's step count (train.steps), e.g. with --resume")
+    regen = sub.add_parser(
+        "regen", parents=[every], help="prepare a run's data, no training (playbooks/regen.yml)"
+    )
+    regen.add_argument("run", help="run name, a profile in trainer/runs/")
     sub.add_parser("status", parents=[every], help="report the recorded run (playbooks/status.yml)")
     sub.add_parser("stop", parents=[every], help="stop the recorded run (playbooks/stop.yml)")
     export = sub.add_parser(
@@ -81,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                 extravars["steps"] = args.steps
             launch_run = controller.launch_by_host if args.by_host else controller.launch
             result = launch_run(args.run, **extravars)
+        elif args.command == "regen":
+            result = controller.regen_by_host(args.run) if args.by_host else controller.regen(args.run)
         elif args.command == "status":
             result = controller.status_by_host() if args.by_host else controller.status()
         elif args.command == "export":

@@ -115,6 +115,24 @@ class Controller:
             raise PlaybookFailed(result)
         return records
 
+    def regen(self, run: str, **extravars: Any) -> dict[str, Any]:
+        """Run regen.yml for ``run``: start the run's data preparation (the target regenerates its
+        data set into the cache, no training) detached and recorded like a launch; return the
+        (first host's) run record. status() then says ``regenerating`` with its progress."""
+        return next(iter(self.regen_by_host(run, **extravars).values()))
+
+    def regen_by_host(self, run: str, **extravars: Any) -> dict[str, dict[str, Any]]:
+        """Run regen.yml for ``run``; return every host's run record, by host name."""
+        if not isinstance(run, str):
+            raise TypeError(RUN_NAME_HINT)
+        result = self.run_playbook("regen.yml", {"run": run, **extravars})
+        records = result.stats.get("dflash_launch_by_host") or {
+            host: facts["trainer_run"] for host, facts in result.facts.items() if facts.get("trainer_run")
+        }
+        if not records:
+            raise PlaybookFailed(result)
+        return records
+
     def status(self, **extravars: Any) -> dict[str, Any]:
         """Run status.yml; return the (first host's) report: state, run, pid, last_progress, gpus, ..."""
         return self.run_playbook("status.yml", extravars).stats["dflash_status"]
@@ -158,7 +176,7 @@ class Controller:
 
     def runs(self, run: str | None = None, **extravars: Any) -> list[dict[str, Any]]:
         """Run runs.yml; return every launch, newest first: run, run_id, host, state (running,
-        finished, stopped, failed, crashed, recovered), started, duration_s, step, total_steps,
+        regenerating, finished, stopped, failed, crashed, recovered), started, duration_s, step, total_steps,
         last_loss, best_tau, last_tau, tokens_per_s, restarts, exit_reason, in_ledger."""
         if run is not None:
             extravars = {"run": run, **extravars}

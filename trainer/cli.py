@@ -1,5 +1,5 @@
 """python -m trainer --run NAME [--config FILE] [--set key=value ...] [--out DIR] [--steps N]
-[--seed S] [--resume] [--check]"""
+[--seed S] [--resume] [--check] [--data-only]"""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, help="shorthand for --set train.seed=S")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     parser.add_argument("--check", action="store_true", help="validate everything, print ok or every problem")
+    parser.add_argument(
+        "--data-only", action="store_true", help="prepare the data (regenerate it) and exit without training"
+    )
     return parser.parse_args(argv)
 
 
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out or f"runs/{args.run}").expanduser().absolute()
     try:
         cfg = load_config(args.run, args.config, args.sets, args.steps, args.seed)
-        problems = check_machine(cfg, out_dir, args.resume)
+        # Preparing the data leaves checkpoints alone: an output holding some is no problem then.
+        problems = check_machine(cfg, out_dir, args.resume or args.data_only)
     except ConfigError as exc:
         problems = exc.problems
         if exc.partial is not None:
@@ -69,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     from .run.train import BadInput, Diverged, train
 
     try:
+        if args.data_only:
+            from .regen import regenerate
+
+            return regenerate(cfg, out_dir, None)
         return train(cfg, out_dir, args.resume)
     except Diverged as exc:
         return ended(out_dir, fail([f"diverged: {exc}"]), f"diverged: {exc}")

@@ -23,6 +23,10 @@ class RecordingController:
         self.calls.append(("launch", (run,), extravars))
         return {"run": run, **extravars}
 
+    def regen(self, run, **extravars):
+        self.calls.append(("regen", (run,), extravars))
+        return {"run": run, **extravars}
+
 
 @pytest.fixture
 def recorded(monkeypatch):
@@ -47,3 +51,23 @@ def test_steps_must_be_a_number(recorded, capsys) -> None:
         cli.main(["launch", "nographs", "--steps", "many"])
     assert refused.value.code == 2 and "invalid int value: 'many'" in capsys.readouterr().err
     assert recorded == []
+
+
+def test_regen_runs_the_regen_playbook_for_the_run(recorded, monkeypatch, capsys) -> None:
+    assert cli.main(["regen", "nographs"]) == 0
+    assert recorded == [("regen", ("nographs",), {})]
+    from types import SimpleNamespace
+
+    from dflashctl.api import Controller
+
+    played = []
+
+    def run_playbook(self, playbook, extravars):
+        played.append((playbook, extravars))
+        return SimpleNamespace(
+            stats={"dflash_launch_by_host": {"ct200": {"run": "nographs", "pid": 7}}}, facts={}
+        )
+
+    monkeypatch.setattr(Controller, "run_playbook", run_playbook)
+    assert Controller().regen("nographs") == {"run": "nographs", "pid": 7}
+    assert played == [("regen.yml", {"run": "nographs"})]

@@ -59,3 +59,31 @@ def test_drafter_logits_take_the_dtype_of_a_bf16_target_head():
     logits = drafter.logits(torch.randn(1, 4, 32))
     assert logits.dtype == torch.bfloat16
     assert logits.shape == (1, 4, 50)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e9])
+def test_fused_adamw_clips_through_its_grad_scale_as_clip_grad_norm_does(max_norm):
+    """The fused optimizer's clipping (the factor handed to AdamW as grad_scale) gives the update
+    of clip_grad_norm_ then AdamW, clipped (max_norm 0.05) or not (1e9)."""
+    from trainer.parallel.replica import clip_gradients
+
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(shape, generator=generator) for shape in [(7, 5), (5,), (3, 7)]]
+    grads = [torch.randn(p.shape, generator=generator) for p in start]
+
+    def updated(fused: bool) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        optimizer = torch.optim.AdamW(params, lr=0.1, betas=(0.9, 0.95), fused=fused)
+        for step in range(3):
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad * (step + 1)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            if fused:
+                clip_gradients(optimizer, params, norm, max_norm)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, max_norm)
+            optimizer.step()
+        return [p.detach() for p in params]
+
+    for fused, reference in zip(updated(True), updated(False), strict=True):
+        torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-6)

@@ -94,14 +94,19 @@ def test_notices_arrive_in_order_with_the_right_fields(tmp_path, cache_dir, rece
         finish(supervisor)
     notices = [body for _, _, body in receiver.received]
     run_id = json.loads((out / "run.json").read_text())["run_id"]  # the run record's
-    assert [n["event"] for n in notices] == ["start", "crash", "restart", "finish"]
+    # The data stage's start and end come first when the session's cache lacked the regenerated data.
+    assert [n["event"] for n in notices] in (
+        ["start", "crash", "restart", "finish"],
+        ["start", "regen", "regen", "crash", "restart", "finish"],
+    )
     for notice in notices:
         assert set(notice) == set(NOTICE_FIELDS)
         assert notice["run"] == "eager" and notice["run_id"] == run_id
         assert notice["host"] == socket.gethostname()
         assert notice["text"].startswith(f"eager on {socket.gethostname()}: ")
-    assert notices[1]["exit_status"] == -9 and notices[1]["step"] >= 5
-    assert notices[1]["text"].endswith("crashed (killed by SIGKILL)")
+    crash = next(n for n in notices if n["event"] == "crash")
+    assert crash["exit_status"] == -9 and crash["step"] >= 5
+    assert crash["text"].endswith("crashed (killed by SIGKILL)")
     assert notices[-1]["exit_status"] == 0 and notices[-1]["step"] == 8 and notices[-1]["tau"] > 0
     assert [e["event"] for e in read_events(out)] == [n["event"] for n in notices]
     for written in (log, out / "events.jsonl", out / "train.log"):

@@ -228,3 +228,51 @@ def test_a_run_whose_output_was_moved_aside_keeps_its_figures():
     assert (by_pid[10]["step"], by_pid[10]["total_steps"], by_pid[10]["last_loss"]) == (77, 100000, 2.5)
     assert (by_pid[10]["best_tau"], by_pid[10]["last_tau"]) == (1.4, 1.3)
     assert by_pid[20]["step"] == 3 and by_pid[20]["last_loss"] is None
+
+
+def test_a_launch_regenerating_its_data_says_so_and_its_end_names_the_data():
+    ledger = [record("prep", 70, "2026-01-02T10:00:00Z"), record("busy", 80, "2026-01-02T11:00:00Z")]
+    histories = {
+        "ct200": [
+            entry(
+                "prep",
+                [
+                    event("start", 70, "2026-01-02T10:00:01Z"),
+                    event(
+                        "regen",
+                        70,
+                        "2026-01-02T10:00:09Z",
+                        reason="regenerating",
+                        text="prep on h: regenerating",
+                    ),
+                    event(
+                        "regen",
+                        70,
+                        "2026-01-02T10:40:00Z",
+                        reason="regenerated",
+                        text="prep on h: regenerated 800,000 conversations",
+                    ),
+                    event("finish", 70, "2026-01-02T10:40:01Z", text="prep on h: finished"),
+                ],
+            ),
+            entry(
+                "busy",
+                [
+                    event("start", 80, "2026-01-02T11:00:01Z"),
+                    event(
+                        "regen",
+                        80,
+                        "2026-01-02T11:00:09Z",
+                        reason="regenerating",
+                        text="busy on h: regenerating",
+                    ),
+                ],
+            ),
+        ]
+    }
+    rows = {
+        row["run"]: row for row in history.run_rows(ledger, histories, {"ct200": {"70": False, "80": True}})
+    }
+    assert rows["busy"]["state"] == "regenerating"
+    assert rows["prep"]["state"] == "finished"
+    assert rows["prep"]["exit_reason"] == "finished; regenerated 800,000 conversations"

@@ -227,3 +227,38 @@ def test_check_mode_reports_the_same_and_changes_nothing(tmp_path, run_module, t
     result = run_module(run_probe.main, identity(started), check_mode=True)
     assert not result.failed and result.result["changed"] is False
     assert result.result["state"] == "running"
+
+
+def test_a_run_regenerating_its_data_is_reported_with_that_stage_s_progress(
+    tmp_path, run_module, trainer
+) -> None:
+    from ansible_collections.dflash.ct200.plugins.filter.summary import status_line
+
+    runs = tmp_path / "runs"
+    started = trainer(out=runs / "nographs")
+    record_file = runs / "nographs" / "run.json"
+    record = json.loads(record_file.read_text())
+    regen = {
+        "conversations": 12288,
+        "total": 800000,
+        "tokens": 9437184,
+        "tokens_per_s": 5321.4,
+        "eta_s": 148862,
+    }
+    record_file.write_text(json.dumps({**record, "stage": "regenerating", "regen": regen}))
+    result = probe(
+        run_module, runs_dir=str(runs), recorded=started["record"], log=str(tmp_path / "train.log")
+    )
+    report = result.result
+    assert report["state"] == "running" and report["stage"] == "regenerating"
+    assert report["last_progress"] == (
+        "regen: 12,288/800,000 conversations, 9,437,184 tokens, 5,321 tok/s, eta 1 day, 17:21:02"
+    )
+    assert status_line({**report, "run": "nographs"}).startswith(
+        f"regenerating: nographs as PID {started['pid']} "
+    )
+    record_file.write_text(json.dumps({**record, "stage": "training", "regen": regen}))
+    training = probe(
+        run_module, runs_dir=str(runs), recorded=started["record"], log=str(tmp_path / "train.log")
+    )
+    assert "stage" not in training.result and status_line(training.result).startswith("running: ")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -60,14 +61,49 @@ def shared_parts(target):
     return SharedTargetParts(target.get_input_embeddings(), target.get_output_embeddings())
 
 
-@torch.no_grad()
-def target_features(target, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    """Outputs of the given target layers, concatenated: [b, L, K*H].
+def layers_up_to(target, last_layer: int):
+    """The target's base model cut after layer `last_layer`: a view sharing every weight, whose
+    forward runs only the layers up to that one (the drafter reads none beyond it)."""
+    base = target.base_model
+    if last_layer >= len(base.layers) - 1:
+        return base
+    # Transformers records hidden states through hooks it installs on the layers the first time a
+    # model is asked for them, and marks that model as hooked. Ask the whole model first, so the view
+    # copies the mark and never installs a second set on the layers it shares (which would record
+    # every layer twice, for the view and the whole target alike).
+    device = next(base.parameters()).device
+    with torch.no_grad():
+        one_token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        base(input_ids=one_token, output_hidden_states=True, use_cache=False)
+    view = copy.copy(base)  # a shallow copy: parameters, buffers and hooks are shared, not copied
+    view._modules = dict(base._modules)
+    view._modules["layers"] = torch.nn.ModuleList(list(base.layers)[: last_layer + 1])
+    # The model's last hidden state is reported after its final norm; in the whole target that is
+    # the last layer's, which the cut model's last layer is not.
+    view._modules["norm"] = torch.nn.Identity()
+    return view
 
-    hidden_states[0] is the embedding output, so layer i's output is hidden_states[i + 1].
+
+class FeatureReader(torch.nn.Module):
+    """The hidden states of the given target layers, concatenated: [b, L, K*H].
+
+    It runs the target only up to the last layer the drafter reads (layers_up_to), and compiled,
+    Inductor fuses normalisation, rotary embedding and activation and writes each layer's output
+    straight into its slice of the concatenated features (no separate concatenation). Never with
+    CUDA graphs: the threaded topology refuses them, and the drafter's own graphs (process
+    topology) take the features as an input of the step.
     """
-    out = target.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+    def __init__(self, target, layer_ids: list[int]):
+        super().__init__()
+        self.layer_ids = list(layer_ids)
+        self.base = layers_up_to(target, max(self.layer_ids))
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # hidden_states[0] is the embedding output, so layer i's output is hidden_states[i + 1].
+        out = self.base(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+        return torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
 
 
 @torch.no_grad()

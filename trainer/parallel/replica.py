@@ -18,7 +18,7 @@ import torch
 from ..config import Config
 from ..model.drafter import DFlashDrafter, DrafterObjective, DrafterShape
 from ..model.objective import build_blocks, sample_anchors
-from ..model.target import shared_parts, target_features
+from ..model.target import FeatureReader, shared_parts
 
 if TYPE_CHECKING:
     from .sharding import OptimizerShard
@@ -57,6 +57,16 @@ def lr_lambda(total_steps: int, warmup_frac: float):
     return factor
 
 
+def clip_gradients(optimizer: torch.optim.Optimizer, params, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ does. A fused
+    AdamW takes the factor as its grad_scale (it divides each gradient by it as it reads it), which
+    saves a pass over every gradient: ~2 ms a step for the 1B parameters of a Qwen3-8B drafter."""
+    if optimizer.defaults.get("fused"):
+        optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+    else:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+
+
 def resolve_attention(choice: str, device: torch.device, compile_mode: str) -> str:
     """flex_attention only pays compiled on CUDA (eager, it materialises every score); else SDPA."""
     if choice != "auto":
@@ -79,6 +89,9 @@ class Replica:
         self.device = device
         self.target = target
         self.layer_ids = layer_ids
+        self.features = FeatureReader(target, layer_ids)
+        """The target's forward up to the last layer the drafter reads (compiled by compile())."""
+        self.read_features = self.features
         self.mask_id = mask_id
         self.rank = rank
         shape = DrafterShape.from_target(target.config, cfg.drafter.num_layers, len(layer_ids))
@@ -137,6 +150,9 @@ class Replica:
         if c.mode == "none":
             return
         settings = {"dynamic": c.dynamic, "fullgraph": c.fullgraph, "options": c.inductor_options()}
+        if c.compiles_target(self.device.type):
+            target_options = {**settings["options"], "triton.cudagraphs": False}
+            self.read_features = torch.compile(self.features, dynamic=c.dynamic, options=target_options)
         if c.scope == "objective":
             self.forward = torch.compile(self.module, **settings)
             return
@@ -181,7 +197,8 @@ class Replica:
         weight_sum = float(blocks.weights.sum())
         scale = 1.0 if loss_scale is None else loss_scale(weight_sum)
         blocks = blocks.to(self.device)
-        features = target_features(self.target, input_ids.to(self.device), self.layer_ids)
+        with torch.no_grad():
+            features = self.read_features(input_ids.to(self.device))
         if self.shard is not None:
             # Here, not before the target's forward: the gather of the last update overlaps it.
             self.shard.wait_for_parameters()
@@ -206,9 +223,10 @@ class Replica:
         Sharded: the norm is the global one, and the update is shared with the other replicas."""
         max_norm = self.cfg.train.grad_clip or float("inf")
         if self.shard is None:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         else:
-            norm = self.shard.clip_by_global_norm(max_norm)
+            norm = self.shard.global_norm()
+        clip_gradients(self.optimizer, self.shard.params if self.shard else self.params, norm, max_norm)
         self.optimizer.step()
         self.scheduler.step()
         if self.grad_buffer is not None:

@@ -33,14 +33,12 @@ class OptimizerShard:
         """Order this device's current stream after the gather of the last update."""
         self.exchange.wait_gathered(self.rank)
 
-    def clip_by_global_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip the owned gradients by the norm over every replica's, as clip_grad_norm_ clips
-        unsharded gradients; the norm stays on the device. Returns it."""
+    def global_norm(self) -> torch.Tensor:
+        """The norm of the gradients over every replica's slices (what clip_grad_norm_ would see
+        unsharded), summed on the devices: it stays on the device."""
         grads = [param.grad for param in self.params]
         squared = torch.nn.utils.get_total_norm(grads).square()
-        total = self.exchange.sum_across_replicas(self.rank, squared).sqrt()
-        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total)
-        return total
+        return self.exchange.sum_across_replicas(self.rank, squared).sqrt()
 
     def share_update(self) -> None:
         """After the optimizer step: the exchange gathers the new slices into every replica."""

@@ -137,7 +137,13 @@ def process_identity() -> dict:
 class EventLog:
     """Appends events of one run to <out>/events.jsonl and sends its notices."""
 
-    def __init__(self, out_dir: Path, run: str, run_id: str | None = None, notify_url: str | None = None):
+    def __init__(
+        self, out_dir: Path, run: str, run_id: str | None = None, notify_url: str | None = None,
+        pid: int | None = None,
+    ):  # fmt: skip
+        """pid: the launch's PID the events belong to (history groups them by it), when not this
+        process's: the trainer's data stage writes under its supervisor's or torchrun's."""
+        self.pid = pid or os.getpid()
         self.out_dir = out_dir
         self.run = run
         self.run_id = run_id or os.environ.get(RUN_ID_ENV) or default_run_id(run, os.getpid())
@@ -161,7 +167,7 @@ class EventLog:
             "run": self.run,
             "run_id": self.run_id,
             "host": self.host,
-            "pid": os.getpid(),
+            "pid": self.pid,
             "exit_status": exit_status,
             "step": step,
             "tau": tau,

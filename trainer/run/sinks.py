@@ -47,6 +47,7 @@ class FileOutput(ConsoleOutput):
 
     def __init__(self, out_dir: Path, tensorboard: bool = False):
         super().__init__()
+        self.out_dir = out_dir  # the data stage notes its progress in the run's record there
         self.board = open_board(out_dir / "tensorboard") if tensorboard else None
         self.log_file: TextIO = (out_dir / "train.log").open("a")
         self.metrics: TextIO = (out_dir / "metrics.jsonl").open("a")

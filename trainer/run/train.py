@@ -25,18 +25,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config
-from ..data.chat import (
-    ChatFormat,
-    Loader,
-    build_train_set,
-    load_conversations,
-    load_examples,
-    prompt_ids,
-    regen_cache_key,
-    regenerate,
-    save_examples,
-    tokenize,
-)
+from ..data.chat import ChatFormat, Loader, build_train_set
 from ..data.embedded import ensure_embedded
 from ..model.drafter import target_layer_ids
 from ..model.evaluate import acceptance_length
@@ -49,6 +38,7 @@ from . import runrecord
 from .checkpoint import save_checkpoint
 from .environment import resolve_devices
 from .recompiles import RecompileWatch
+from .regen import DataSource, prepare_data
 from .resume import BadInput, ResumePoint, checkpoint_state, find_resume_point, restore
 from .sinks import Output, open_output
 
@@ -240,10 +230,11 @@ def start_topology(cfg: Config, replicas: list[Replica], world: World, out: Outp
 
 def load_data(cfg: Config, models: Models, place: Placement, out: Output, should_stop):
     """(loader, held-out prompts), or None when a stop came during the target's regeneration."""
-    examples = regenerated_examples(cfg, models, place.devices[0], out, should_stop)
+    examples = regenerated_examples(cfg, models, place, out, should_stop)
     if examples is None:
         return None
-    train_examples, prompts = examples
+    train_examples, prompts, _data_key = examples
+    train_examples = list(train_examples)  # streamed from the shard files; the tables hold them all
     chat, tokenizer = models.chat, models.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_id
     train_set = build_train_set(train_examples, chat, cfg.train.seq_len, pad_id)
@@ -254,47 +245,26 @@ def load_data(cfg: Config, models: Models, place: Placement, out: Output, should
     return Loader(train_set, cfg.train.batch_size * place.workers, cfg.train.seed), prompts
 
 
-def regenerated_examples(cfg: Config, models: Models, device: torch.device, out: Output, should_stop):
-    """Tokenized, target-regenerated examples (cached), split into training set and eval prompts."""
-    train_file, chat = models.train_file, models.chat
-    examples = tokenize(load_conversations(train_file), chat)
-    held_out = cfg.train.eval_prompts
-    if len(examples) <= held_out:
-        raise BadInput(
-            f"{train_file} has {len(examples)} conversations; more than train.eval_prompts="
-            f"{held_out} are needed (lower train.eval_prompts or add data)"
-        )
-    eval_examples, train_examples = examples[-held_out:], examples[:-held_out]
-    if cfg.data.regenerate:
-        d = cfg.data
-        key = regen_cache_key(train_file, models.target_path, d.regen_max_new_tokens, cfg.model.dtype)
-        cache = Path(d.cache_dir).expanduser() / "regenerated" / f"{key}.jsonl"
-        if cache.exists():
-            train_examples = load_examples(cache)
-            out.line(f"data: {len(train_examples)} regenerated conversations from cache {cache}")
-        else:
-            started = time.monotonic()
-            train_examples = regenerate(
-                train_examples,
-                models.target,
-                chat,
-                d.regen_max_new_tokens,
-                d.regen_batch_size,
-                device,
-                should_stop,
-            )
-            if train_examples is None:
-                return None
-            save_examples(cache, train_examples)
-            out.line(
-                f"data: regenerated {len(train_examples)} conversations with the target in "
-                f"{time.monotonic() - started:.1f}s, cached at {cache}"
-            )
-    first_answer = [
-        next(i for i, (role, _) in enumerate(e.turns) if role == "assistant") for e in eval_examples
-    ]
-    prompts = [prompt_ids(e, chat, turn) for e, turn in zip(eval_examples, first_answer, strict=True)]
-    return train_examples, prompts
+def regenerated_examples(cfg: Config, models: Models, place: Placement, out: Output, should_stop):
+    """(training conversations, held-out prompts, data key), or None when a stop came during the
+    regeneration. The conversations are an iterable of Example in the input's order, streamed from
+    the regeneration's shard files (or tokenized from the data file as it is, data.regenerate:
+    false); the key names that data (the regeneration's cache key, or raw-<file and tokenizer>).
+    Every worker of the run regenerates its share of what the cache lacks (run/regen.py)."""
+    tokenizer_path = Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else None
+    source = DataSource(
+        models.train_file,
+        models.target_path,
+        tokenizer_path or models.target_path,
+        models.tokenizer,
+        models.chat,
+    )
+    targets = [replica.target for replica in models.replicas]
+    out_dir = getattr(out, "out_dir", None)  # where this process writes the run's files, if it does
+    prepared = prepare_data(cfg, source, targets, place.world, out, should_stop, out_dir)
+    if prepared is None:
+        return None
+    return prepared.examples, prepared.eval_prompts, prepared.key
 
 
 class Run:

@@ -49,7 +49,11 @@ def state_of(record: dict, events: list[dict], alive: bool | None) -> tuple[str,
     """(state, exit reason, end time) of one launch from its own events, else the ledger's word."""
     restarts = [e for e in events if e.get("event") == "restart"]
     ending = next((e for e in reversed(events) if e.get("event") in ENDINGS), None)
+    # The data stage's events (docs/DATA.md): reason regenerating, regenerated or stopped.
+    regen = next((e for e in reversed(events) if e.get("event") == "regen"), None)
     if alive:
+        if regen is not None and regen.get("reason") == "regenerating":
+            return "regenerating", None, None
         return ("recovered" if restarts else "running"), None, None
     if ending is not None:
         state = ENDINGS[ending["event"]]
@@ -58,6 +62,8 @@ def state_of(record: dict, events: list[dict], alive: bool | None) -> tuple[str,
         reason = ending.get("reason") or ending.get("text", "").split(": ", 1)[-1]
         if state == "recovered":
             reason = f"finished after {len(restarts)} restart(s)"
+        if regen is not None and regen.get("reason") == "regenerated":
+            reason = f"{reason}; {regen.get('text', '').split(': ', 1)[-1]}"
         return state, reason, ending.get("time")
     crash = next((e for e in reversed(events) if e.get("event") == "crash"), None)
     if crash is not None or (events and alive is False):

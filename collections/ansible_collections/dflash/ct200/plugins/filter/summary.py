@@ -79,6 +79,8 @@ def status_line(report: dict) -> str:
     """One line for a host's state in role run_status's report (state, run, pid, recorded_state,
     exit_status, exit_reason)."""
     state, run, pid = report.get("state"), report.get("run"), report.get("pid")
+    if state == "running" and report.get("stage") == "regenerating":
+        return f"regenerating: {run} as PID {pid} (the target regenerates its data; training follows)"
     if state == "running":
         return f"running: {run} as PID {pid}"
     if state == "exited":

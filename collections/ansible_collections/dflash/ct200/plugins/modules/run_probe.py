@@ -140,9 +140,15 @@ cmdline:
   elements: str
   returned: always
 last_progress:
-  description: The latest progress line of the log (with O(runs_dir), of the run's metrics.jsonl first).
+  description:
+    - The latest progress line of the log (with O(runs_dir), of the run's metrics.jsonl first).
+    - While the run regenerates its data (RV(stage)), that stage's progress from the run record.
   type: str
   returned: always
+stage:
+  description: C(regenerating) while a live run's target regenerates its data before training (docs/DATA.md).
+  type: str
+  returned: when the run record says so
 last_eval:
   description: The latest eval row of metrics.jsonl, else of the log (step, tau, prompts).
   type: dict
@@ -257,6 +263,7 @@ exit_reason:
   returned: when the trainer has exited
 """
 
+import datetime
 import os
 import re
 import time
@@ -288,6 +295,18 @@ from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
 )
 
 POLL_S = 0.2
+
+
+def regen_progress_line(regen: dict | None) -> str | None:
+    """The data stage's progress as the run record holds it, worded like its log line."""
+    if not isinstance(regen, dict) or not isinstance(regen.get("conversations"), int):
+        return None
+    eta = regen.get("eta_s")
+    eta_text = "?" if not isinstance(eta, (int, float)) else str(datetime.timedelta(seconds=int(max(0, eta))))
+    return (
+        f"regen: {regen['conversations']:,}/{regen.get('total', 0):,} conversations, "
+        f"{regen.get('tokens', 0):,} tokens, {regen.get('tokens_per_s', 0):,.0f} tok/s, eta {eta_text}"
+    )
 
 
 def output_report(out: str, steps: int | None, steps_given: bool = False) -> dict:
@@ -365,6 +384,11 @@ def target_report(module: AnsibleModule) -> dict:
     result["log_tail"] = tail(log, params["tail_lines"])
     steps = (run["record"].get("steps") if run else None) or None
     result["last_progress"] = progress_line(out, steps) or last_matching(log, PROGRESS_RE)
+    target_record = run["record"] if run else {}
+    if result["state"] == "running" and target_record.get("stage") == "regenerating":
+        # The data stage (docs/DATA.md) notes its progress in the run record as it goes.
+        result["stage"] = "regenerating"
+        result["last_progress"] = regen_progress_line(target_record.get("regen")) or result["last_progress"]
     result["last_eval"] = (last_metrics(out)["eval"] if out else None) or last_tau_in_log(log)
     newest = newest_checkpoint(out)
     result["last_checkpoint"] = {"step": newest[0], "path": newest[1]} if newest else None

@@ -1,0 +1,209 @@
+"""Regeneration benchmark: today's loop, continuous batching at its defaults, and the engine as the
+product runs it, side by side on one device, on a Qwen3-shaped target with random weights.
+
+    python bench/regen_bench.py --shape 8b                      # one H200: 512 prompts x 256 new tokens
+    python bench/regen_bench.py --shape 8b --rows static,continuous --batch-size 256
+    python bench/regen_bench.py --shape 8b --rows static --profile   # where a static pass's time goes
+    python bench/regen_bench.py --shape tiny                    # CPU: checks the harness only
+
+Prompts have long-tailed lengths (log-normal, median --median, 16..1500 tokens), like chat data.
+Rows:
+  today       the loop trainer.data.chat.regenerate (prompts grouped by exact length, batches of 64)
+              on the first --today-prompts prompts only (it is slow)
+  continuous  transformers' continuous batching (`generate_batch`, paged attention) at its defaults:
+              what trainer.data.regen runs with data.regen_engine=continuous
+  static      `generate` with a static KV cache (compiled on CUDA) over length-sorted left-padded
+              batches of --batch-size, widths padded to --min-width x 2^k: data.regen_engine=static,
+              the product's default; timed twice (the first pass compiles every new shape)
+Per row: generated tokens/s, conversations/s, peak device memory, and the memory-bound limit of the
+workload: sequences in flight x bandwidth / bytes read per decode step (the weights once, plus the
+KV cache of every sequence in flight at its mean length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.trainer_bench import SHAPES, build_target
+from trainer.data.chat import Example, regenerate
+from trainer.data.regen import RegenSettings, continuous_generate, static_generate
+
+END_ID = 2  # a token a random target rarely picks: answers run to --new-tokens, as real ones often do
+PAD_ID = 0
+DEFAULTS = {"8b": (512, 256, 120, 16), "tiny": (24, 16, 24, 6)}  # prompts, new tokens, median, today
+
+
+class BenchChat:
+    """The chat format's surface the old loop uses, over bare prompt ids."""
+
+    end_id = END_ID
+
+    def encode(self, turns):
+        ids = [token for _, content in turns for token in content]
+        return ids, [0] * len(ids)
+
+    def header(self, role):
+        return []
+
+
+def make_prompts(count: int, median: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [max(16, min(1500, int(math.exp(rng.gauss(math.log(median), 0.9))))) for _ in range(count)]
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # CPU: the process's peak resident memory since it started (KiB -> GiB), not per row.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def memory_bound_tokens_per_s(
+    target, prompts, new_tokens: int, in_flight: int, bandwidth_tbs: float
+) -> float:
+    """in_flight sequences advance one token per decode step; a step reads every weight once and
+    the KV cache of every sequence in flight (at its mean length over the answer)."""
+    config = target.config
+    dtype_bytes = next(target.parameters()).element_size()
+    weight_bytes = sum(p.numel() for p in target.parameters()) * dtype_bytes
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+    mean_length = sum(map(len, prompts)) / len(prompts) + new_tokens / 2
+    step_bytes = weight_bytes + in_flight * mean_length * kv_per_token
+    return in_flight * bandwidth_tbs * 1e12 / step_bytes
+
+
+def profiled(device, run):
+    """run() under torch.profiler; prints the operators that took the most time (device time on
+    CUDA), so a slow row shows whether it waits on kernels, launches or the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        answers = run()
+        synchronize(device)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=15), flush=True)
+    return answers
+
+
+def timed(name, device, run, prompts, limit, profile=False) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    synchronize(device)
+    began = time.perf_counter()
+    answers = profiled(device, run) if profile else run()
+    synchronize(device)
+    seconds = time.perf_counter() - began
+    tokens = sum(map(len, answers))
+    print(
+        f"{name:24s} {len(prompts):5d} prompts {seconds:8.1f} s {tokens:8d} tokens "
+        f"{tokens / seconds:9.0f} tok/s {len(prompts) / seconds:7.2f} conv/s "
+        f"peak {peak_memory_gib(device):6.1f} GiB  memory-bound limit {limit:9.0f} tok/s",
+        flush=True,
+    )
+
+
+def today(target, prompts, new_tokens, device):
+    examples = [Example([("user", p), ("assistant", [])]) for p in prompts]
+    done = regenerate(examples, target, BenchChat(), new_tokens, 64, device)
+    return [e.turns[1][1] for e in done]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=["8b", "tiny"], default="8b")
+    parser.add_argument(
+        "--rows", default="today,continuous,static", help="comma-separated: today, continuous, static"
+    )
+    parser.add_argument("--prompts", type=int, help="default: 512 (8b), 24 (tiny)")
+    parser.add_argument("--new-tokens", type=int, help="new tokens per answer; default 256 (8b), 16 (tiny)")
+    parser.add_argument("--median", type=int, help="median prompt length; default 120 (8b), 24 (tiny)")
+    parser.add_argument(
+        "--today-prompts", type=int, help="prompts for the slow row; default 16 (8b), 6 (tiny)"
+    )
+    parser.add_argument("--batch-size", type=int, default=128, help="static: prompts per generate call")
+    parser.add_argument("--min-width", type=int, default=64, help="static: widths padded to this x 2^k")
+    parser.add_argument("--no-compile", action="store_true", help="static: no compiled decode step")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile each row's last pass: the top operators by device time",
+    )
+    parser.add_argument(
+        "--bandwidth-tbs", type=float, default=4.8, help="device memory bandwidth (H200: 4.8)"
+    )
+    args = parser.parse_args()
+    count, new_tokens, median, today_count = DEFAULTS[args.shape]
+    count, new_tokens = args.prompts or count, args.new_tokens or new_tokens
+    median, today_count = args.median or median, args.today_prompts or today_count
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {device}, shape {args.shape}")
+    target = build_target(SHAPES[args.shape], device, dtype)
+    target.generation_config.eos_token_id = None
+    prompts = make_prompts(count, median, target.config.vocab_size)
+    lengths = sorted(map(len, prompts))
+    print(
+        f"{count} prompts, lengths median {lengths[len(lengths) // 2]} max {lengths[-1]}; "
+        f"{new_tokens} new tokens each"
+    )
+    settings = RegenSettings(
+        max_new_tokens=new_tokens, batch_size=args.batch_size, min_width=args.min_width,
+        compile=not args.no_compile,
+    )  # fmt: skip
+
+    def never() -> bool:
+        return False
+
+    with torch.no_grad():
+        for row in args.rows.split(","):
+            if row == "today":
+                subset = prompts[:today_count]
+                limit = memory_bound_tokens_per_s(target, subset, new_tokens, 1, args.bandwidth_tbs)
+                timed(
+                    "today (chat.regenerate)",
+                    device,
+                    lambda subset=subset: today(target, subset, new_tokens, device),
+                    subset,
+                    limit,
+                )
+            elif row == "continuous":
+                limit = memory_bound_tokens_per_s(
+                    target, prompts, new_tokens, len(prompts), args.bandwidth_tbs
+                )
+                run = lambda: continuous_generate(target, prompts, settings, BenchChat(), PAD_ID, never)  # noqa: E731
+                timed("continuous (defaults)", device, run, prompts, limit, args.profile)
+            elif row == "static":
+                in_flight = min(args.batch_size, len(prompts))
+                limit = memory_bound_tokens_per_s(target, prompts, new_tokens, in_flight, args.bandwidth_tbs)
+                run = lambda: static_generate(target, prompts, settings, BenchChat(), PAD_ID, never)  # noqa: E731
+                for attempt in (1, 2):  # the first pass compiles each new shape
+                    profile = args.profile and attempt == 2
+                    timed(f"static (product) pass {attempt}", device, run, prompts, limit, profile)
+            else:
+                parser.error(f"unknown row {row!r}; rows are today, continuous, static")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Preparing a run's data through the real playbooks (playbooks/regen.yml via dflashctl) on the local
+default inventory: started detached and recorded like a launch, status says `regenerating` with its
+progress while the target regenerates, and the history names what was regenerated."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_controller, stop_leftovers
+
+pytestmark = pytest.mark.slow
+
+
+def test_regen_is_recorded_like_a_launch_and_status_shows_the_stage(state_dir: Path) -> None:
+    ctl = make_controller(state_dir, workspace_trainer_set=["data.regen_progress_every_s=0.5"])
+    try:
+        record = ctl.regen("eager")
+        assert record["run"] == "eager" and record["pid"] > 0
+        seen = []
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            status = ctl.status()
+            seen.append((status["state"], status.get("stage"), status["last_progress"]))
+            if status["state"] != "running":
+                break
+        assert any(
+            stage == "regenerating" and (progress or "").startswith("regen: ") for _, stage, progress in seen
+        ), seen
+        assert status["state"] == "exited" and status["exit_status"] == 0, status
+        assert status["exit_reason"].startswith("data ready: 600 conversations"), status
+        (row,) = ctl.runs(run="eager")
+        assert row["state"] == "finished"
+        assert "regenerated 600 conversations" in row["exit_reason"], row
+        assert row["step"] is None  # nothing was trained
+    finally:
+        stop_leftovers(ctl, state_dir)

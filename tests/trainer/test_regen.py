@@ -1,0 +1,319 @@
+"""Regeneration (trainer/data/regen.py, trainer/run/regen.py): answers equal plain greedy `generate`'s
+in float32, shards shared by workers and written atomically, resumable, a key computed by streaming,
+and bad input refused with the file and line. The embedded tiny target on CPU; small files, few
+tokens, so the whole module stays quick."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import pathlib
+import threading
+
+import pytest
+import torch
+
+from trainer.data.chat import ChatFormat, DataError, iter_conversations, prompt_ids
+from trainer.data.regen import (
+    DataIndex,
+    Progress,
+    Regeneration,
+    RegenSettings,
+    export_chat_jsonl,
+    file_digest,
+    raw_key,
+    regen_key,
+    run_workers,
+    tokenized,
+)
+from trainer.model.target import load_target, load_tokenizer
+
+pytestmark = pytest.mark.unit
+
+NEW_TOKENS = 10
+MULTI_TURN = {
+    "messages": [
+        {"role": "system", "content": "count"},
+        {"role": "user", "content": "count from 3 to 9"},
+        {"role": "assistant", "content": "3 4 5"},
+        {"role": "user", "content": "reverse a b c"},
+        {"role": "assistant", "content": "c b a"},
+    ]
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(embedded):
+    """(target on cpu in float32, tokenizer, chat format) of the embedded default."""
+    target_path, _ = embedded
+    tokenizer = load_tokenizer(target_path)
+    return load_target(target_path, "cpu", "float32"), tokenizer, ChatFormat(tokenizer)
+
+
+def write_data(path: pathlib.Path, embedded, count: int) -> pathlib.Path:
+    """The first `count` embedded conversations, one of them multi-turn (third from the start)."""
+    rows = [json.dumps({"messages": m}) for _, m in iter_conversations(embedded[1])][:count]
+    rows.insert(2, json.dumps(MULTI_TURN))
+    path.write_text("\n".join(rows[:count]) + "\n")
+    return path
+
+
+def settings(**changes) -> RegenSettings:
+    base = {"max_new_tokens": NEW_TOKENS, "shard_size": 4, "batch_size": 3, "min_width": 8}
+    return RegenSettings(**{**base, **changes})
+
+
+def regeneration(tmp_path, data, tiny, max_positions=None, **changes) -> Regeneration:
+    _, tokenizer, chat = tiny
+    return Regeneration(
+        DataIndex.build(data), settings(**changes), tmp_path / "cache", "key", chat,
+        tokenizer.pad_token_id, max_positions,
+    )  # fmt: skip
+
+
+def plain_greedy(target, chat, data) -> list[list[tuple[str, list[int]]]]:
+    """The reference: each conversation alone, turn by turn, through plain greedy `generate`."""
+    results = []
+    for _, messages in iter_conversations(data):
+        example = tokenized(messages, chat)
+        for turn, (role, _) in enumerate(example.turns):
+            if role != "assistant":
+                continue
+            prompt = torch.tensor([prompt_ids(example, chat, turn)])
+            output = target.generate(
+                input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+                do_sample=False, eos_token_id=chat.end_id, pad_token_id=chat.end_id,
+            )[0, prompt.shape[1] :].tolist()  # fmt: skip
+            example.turns[turn] = (
+                "assistant",
+                output[: output.index(chat.end_id)] if chat.end_id in output else output,
+            )
+        results.append(example.turns)
+    return results
+
+
+@pytest.fixture(scope="module")
+def data_and_reference(tmp_path_factory, embedded, tiny):
+    data = write_data(tmp_path_factory.mktemp("data") / "chat.jsonl", embedded, 10)
+    return data, plain_greedy(tiny[0], tiny[2], data)
+
+
+def regenerated(regen: Regeneration) -> list[list[tuple[str, list[int]]]]:
+    return [example.turns for example in regen.examples()]
+
+
+def generate_all(regen: Regeneration, targets, should_stop=lambda: False) -> bool:
+    return run_workers(regen, targets, Progress(len(regen.index)), should_stop, lambda: None, 60.0)
+
+
+@pytest.mark.parametrize(
+    ("engine", "compile"),
+    [("static", True), ("static", False), ("continuous", True)],
+    ids=["static", "static-several-threads", "continuous"],
+)
+def test_answers_equal_plain_greedy_generate_in_float32(tmp_path, tiny, data_and_reference, engine, compile):
+    data, reference = data_and_reference
+    # One shard for continuous batching: each call sets up its paged cache, slow on a shared CPU.
+    shard_size = 4 if engine == "static" else 10
+    regen = regeneration(tmp_path, data, tiny, engine=engine, shard_size=shard_size, compile=compile)
+    regen.prepare()
+    assert generate_all(regen, [tiny[0]])
+    assert regenerated(regen) == reference
+    multi_turn = regenerated(regen)[2]
+    assert [role for role, _ in multi_turn] == ["system", "user", "assistant", "user", "assistant"]
+
+
+def test_two_workers_share_the_shards_and_merge_in_the_input_order(
+    tmp_path, embedded, tiny, data_and_reference
+):
+    data, reference = data_and_reference
+    second = load_target(embedded[0], "cpu", "float32")
+    calls = {id(tiny[0]): 0, id(second): 0}
+    threads_seen = set()
+    for target in (tiny[0], second):
+
+        def counted(*args, _target=target, _generate=target.generate, **kwargs):
+            calls[id(_target)] += 1
+            threads_seen.add(threading.get_ident())
+            return _generate(*args, **kwargs)
+
+        target.generate = counted
+    try:
+        regen = regeneration(tmp_path, data, tiny)
+        regen.prepare()
+        assert generate_all(regen, [tiny[0], second])
+    finally:
+        del tiny[0].generate
+    assert all(count > 0 for count in calls.values()), calls
+    assert len(threads_seen) == 2
+    assert regenerated(regen) == reference
+    assert len(list(regen.directory.glob("shard-*.jsonl"))) == 3  # 10 conversations, 4 a shard
+
+
+def test_a_stop_keeps_finished_shards_and_the_next_start_continues(tmp_path, tiny, data_and_reference):
+    data, reference = data_and_reference
+    regen = regeneration(tmp_path, data, tiny)
+    regen.prepare()
+    batches = []
+
+    def stop_after_two_batches() -> bool:
+        batches.append(1)
+        return len(batches) > 3  # shard 0 takes three batches (turns 1, 2 and 4)
+
+    assert not generate_all(regen, [tiny[0]], stop_after_two_batches)
+    assert regen.missing() == [1, 2]  # the first shard is on disk
+    (regen.directory / ".shard-000000004-000000008.99.1.tmp").write_text('{"half": ')  # a killed writer's
+    again = regeneration(tmp_path, data, tiny)
+    again.prepare()
+    assert not list(again.directory.glob(".shard-*.tmp"))
+    assert generate_all(again, [tiny[0]])
+    assert regenerated(again) == reference
+
+
+def test_the_key_streams_the_file_and_covers_what_decides_the_answers(tmp_path, embedded, monkeypatch):
+    target_path = embedded[0]
+    data = tmp_path / "big.jsonl"
+    data.write_bytes(b"x" * (3 << 20) + b"\n")
+    assert file_digest(data).hexdigest() == hashlib.sha256(data.read_bytes()).hexdigest()
+
+    def no_whole_file_reads(self, *args, **kwargs):
+        if self == data:
+            raise AssertionError("read the whole data file into memory")
+        return original_read_bytes(self, *args, **kwargs)
+
+    original_read_bytes = pathlib.Path.read_bytes
+    monkeypatch.setattr(pathlib.Path, "read_bytes", no_whole_file_reads)
+    monkeypatch.setattr(pathlib.Path, "read_text", no_whole_file_reads)
+    key = regen_key(data, target_path, target_path, settings())
+    assert key == regen_key(data, target_path, target_path, settings(batch_size=7, min_width=64))
+    for changed in ({"max_new_tokens": 11}, {"dtype": "bfloat16"}, {"engine": "continuous"}):
+        assert regen_key(data, target_path, target_path, settings(**changed)) != key, changed
+    with data.open("ab") as handle:
+        handle.write(b"y")
+    assert regen_key(data, target_path, target_path, settings()) != key
+    assert raw_key(data, target_path).startswith("raw-") and raw_key(data, target_path) != key
+
+
+def test_bad_data_files_name_the_file_and_line(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match=f"{empty}: no conversation with an assistant turn"):
+        DataIndex.build(empty)
+    broken = tmp_path / "broken.jsonl"
+    good = json.dumps(MULTI_TURN)
+    broken.write_text(f"{good}\n{good}\n{{not json\n")
+    with pytest.raises(DataError, match=f"{broken}:3: not JSON"):
+        DataIndex.build(broken)
+
+
+def test_a_conversation_longer_than_the_context_is_named_and_finished_shards_stay(tmp_path, embedded, tiny):
+    data = write_data(tmp_path / "chat.jsonl", embedded, 8)
+    long_line = 6
+    lines = data.read_text().splitlines()
+    lines[long_line - 1] = json.dumps(
+        {"messages": [{"role": "user", "content": "one " * 60}, {"role": "assistant", "content": "x"}]}
+    )
+    data.write_text("\n".join(lines) + "\n")
+    regen = regeneration(tmp_path, data, tiny, max_positions=60)
+    regen.prepare()
+    named = rf"{data}:{long_line}: .*more than the target's context of 60"
+    with pytest.raises(DataError, match=named):  # the check before anything is generated
+        regen.check_contexts_before_generating(regen.missing())
+    assert regen.missing() == [0, 1]
+    with pytest.raises(DataError, match=named):  # the check of each batch, should the first miss one
+        generate_all(regen, [tiny[0]])
+    assert regen.missing() == [1]  # conversations 0-3 are kept
+
+
+def test_a_later_turn_that_may_not_fit_is_refused_before_generating(tmp_path, tiny):
+    """The first prompt fits; the second would not if the first answer took all its new tokens."""
+    data = tmp_path / "chat.jsonl"
+    fits = {"messages": [{"role": "user", "content": "one two"}, {"role": "assistant", "content": "x"}]}
+    two_turns = {
+        "messages": [*fits["messages"], {"role": "user", "content": "one " * 20}, fits["messages"][1]]
+    }
+    data.write_text(f"{json.dumps(fits)}\n{json.dumps(two_turns)}\n")
+    regen = regeneration(tmp_path, data, tiny, max_positions=40)  # 10 new tokens an answer
+    with pytest.raises(DataError, match=rf"{data}:2: the conversation needs up to 43 prompt tokens"):
+        regen.check_contexts_before_generating(regen.missing())
+
+
+def test_a_data_file_changed_during_the_regeneration_is_refused(tmp_path, embedded, tiny):
+    data = write_data(tmp_path / "chat.jsonl", embedded, 8)
+    regen = regeneration(tmp_path, data, tiny)
+    regen.prepare()
+
+    def change_the_file() -> bool:
+        with data.open("a") as handle:
+            handle.write(json.dumps(MULTI_TURN) + "\n")
+        return False
+
+    with pytest.raises(DataError, match=f"{data} changed during the regeneration"):
+        generate_all(regen, [tiny[0]], change_the_file)
+    assert regen.missing() == [0, 1]
+
+
+def test_a_full_disk_loses_no_finished_shard_and_leaves_no_partial_one(tmp_path, tiny, data_and_reference,
+                                                                      monkeypatch):  # fmt: skip
+    data, reference = data_and_reference
+    regen = regeneration(tmp_path, data, tiny)
+    regen.prepare()
+    real_replace = pathlib.os.replace
+    writes = []
+
+    def disk_full_on_the_second_shard(source, destination):
+        writes.append(destination)
+        if len(writes) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(source))
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(pathlib.os, "replace", disk_full_on_the_second_shard)
+    with pytest.raises(
+        DataError, match=r"disk full writing .*shard-000000004-000000008.jsonl.* 4 of 10 conv"
+    ):
+        generate_all(regen, [tiny[0]])
+    monkeypatch.setattr(pathlib.os, "replace", real_replace)
+    assert regen.missing() == [1, 2]
+    assert not list(regen.directory.glob(".*.tmp"))
+    assert generate_all(regen, [tiny[0]])
+    assert regenerated(regen) == reference
+
+
+def test_a_second_regeneration_of_the_same_data_is_refused(tmp_path, tiny, data_and_reference):
+    data, _ = data_and_reference
+    first, second = regeneration(tmp_path, data, tiny), regeneration(tmp_path, data, tiny)
+    with (
+        first.lock(),
+        pytest.raises(DataError, match=r"another regeneration \(pid \d+\) is filling"),
+        second.lock(),
+    ):
+        pass
+    with second.lock():  # free again once the first is done
+        pass
+
+
+def test_the_chat_jsonl_export_keeps_the_input_and_replaces_the_answers(tmp_path, tiny, data_and_reference):
+    data, reference = data_and_reference
+    regen = regeneration(tmp_path, data, tiny)
+    regen.prepare()
+    assert generate_all(regen, [tiny[0]])
+    out = tmp_path / "out" / "regenerated.jsonl"
+    assert export_chat_jsonl(regen.index, regen.examples(), tiny[1], out) == 10
+    exported = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    originals = [m for _, m in iter_conversations(data)]
+    for messages, original, turns in zip(exported, originals, reference, strict=True):
+        assert [m["role"] for m in messages] == [m["role"] for m in original]
+        for message, before, (role, ids) in zip(messages, original, turns, strict=True):
+            expected = tiny[1].decode(ids) if role == "assistant" else before["content"]
+            assert message["content"] == expected
+
+
+def test_a_cache_that_cannot_be_written_is_one_clear_error(tmp_path, tiny, data_and_reference):
+    data, _ = data_and_reference
+    regen = regeneration(tmp_path, data, tiny)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "regenerated").write_text("a file where the cache's directory goes")
+    expected = r"cannot write the regeneration cache .*point data.cache_dir at a"
+    with pytest.raises(DataError, match=expected), regen.lock():
+        pass

@@ -1,0 +1,541 @@
+"""Regeneration: every assistant turn of a chat data set replaced by the target's greedy answer,
+through transformers' own batched generation, shard by shard, resumable.
+
+The data file is indexed once (conversations, their line numbers and byte offsets; nothing else is
+kept in memory), then cut into shards of `shard_size` conversations. Shard i goes to worker
+i % workers (a thread per device, or a rank under torchrun); each shard is generated turn by turn
+(a later turn sees the regenerated earlier ones) and written atomically as
+<cache>/regenerated/<key>/shard-<first>-<end>.jsonl, one {"line", "turns"} row per conversation.
+A shard on disk is finished; a stop or a crash loses at most the shards being generated, and the
+next start generates only what is missing. The key covers the data file's bytes (hashed in
+chunks), the target's and tokenizer's files, the generation settings and the dtype.
+
+Engines (data.regen_engine): "static" is `generate` with a static KV cache (compiled on CUDA) over
+left-padded batches of similar length, widths rounded up to min_width x a power of two so few
+shapes compile; "continuous" is transformers' continuous batching (`generate_batch`, paged attention).
+Both are greedy; in float32 both give plain `generate`'s answers token for token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import threading
+import time
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .chat import ChatFormat, DataError, Example, iter_conversations, prompt_ids
+
+REGEN_FORMAT = 2
+ENGINES = ("static", "continuous")
+HASH_CHUNK = 1 << 20
+
+
+@dataclass
+class RegenSettings:
+    """What decides the answers (the key covers these) and how they are produced."""
+
+    max_new_tokens: int = 64
+    engine: str = "static"
+    shard_size: int = 1024
+    batch_size: int = 64
+    min_width: int = 64
+    compile: bool = True
+    dtype: str = "float32"
+
+    def key_fields(self) -> str:
+        # batch_size and min_width change how, not what (exactly so in float32).
+        return f"{REGEN_FORMAT}|{self.max_new_tokens}|{self.engine}|{self.shard_size}|{self.dtype}"
+
+
+def file_digest(path: Path, digest=None):
+    """sha256 of a file read in 1 MiB chunks: memory does not grow with the file."""
+    digest = digest or hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest
+
+
+def model_fingerprint(directory: Path, digest) -> None:
+    """Small files (configs, tokenizer) by content, weights by name, size and mtime."""
+    for item in sorted(directory.iterdir()):
+        if not item.is_file():
+            continue
+        stat = item.stat()
+        if stat.st_size < HASH_CHUNK:
+            digest.update(item.name.encode() + b"|" + item.read_bytes())
+        else:
+            digest.update(f"{item.name}|{stat.st_size}|{int(stat.st_mtime)}|".encode())
+
+
+def regen_key(train_file: Path, target_path: Path, tokenizer_path: Path, settings: RegenSettings) -> str:
+    digest = hashlib.sha256(settings.key_fields().encode())
+    file_digest(train_file, digest)
+    model_fingerprint(target_path, digest)
+    if tokenizer_path != target_path:
+        model_fingerprint(tokenizer_path, digest)
+    return digest.hexdigest()[:24]
+
+
+def raw_key(train_file: Path, tokenizer_path: Path) -> str:
+    """The key of a data file used as it is (data.regenerate: false): its bytes and the tokenizer."""
+    digest = file_digest(train_file, hashlib.sha256(b"raw|"))
+    model_fingerprint(tokenizer_path, digest)
+    return "raw-" + digest.hexdigest()[:24]
+
+
+def file_identity(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+@dataclass
+class DataIndex:
+    """Where each conversation of a JSONL file is: its line number and byte offset (the whole file
+    is parsed once, so a malformed line is refused before any work)."""
+
+    path: Path
+    lines: array = field(default_factory=lambda: array("q"))
+    offsets: array = field(default_factory=lambda: array("q"))
+    identity: tuple[int, int] = (0, 0)
+
+    @classmethod
+    def build(cls, path: Path) -> DataIndex:
+        index = cls(path, identity=file_identity(path))
+        line_starts = array("q")
+        with path.open("rb") as handle:
+            position = 0
+            for raw in handle:
+                line_starts.append(position)
+                position += len(raw)
+        for number, _ in iter_conversations(path):
+            index.lines.append(number)
+            index.offsets.append(line_starts[number - 1])
+        if not index.lines:
+            raise DataError(
+                f"{path}: no conversation with an assistant turn; expected one "
+                '{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} per line'
+            )
+        index.check_unchanged()
+        return index
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def check_unchanged(self) -> None:
+        if file_identity(self.path) != self.identity:
+            raise DataError(
+                f"{self.path} changed during the regeneration; the shards finished so far are kept "
+                "under the old contents' key. Leave the file alone and run again (the new contents "
+                "get a new key)"
+            )
+
+    def read(self, start: int, end: int) -> list[tuple[int, list[dict[str, str]]]]:
+        """(line number, messages) of conversations start..end-1."""
+        wanted = {self.lines[i] for i in range(start, end)}
+        found = []
+        with self.path.open("rb") as handle:
+            handle.seek(self.offsets[start])
+            number = self.lines[start]
+            for raw in handle:
+                if number in wanted:
+                    record = json.loads(raw)
+                    found.append((number, record["messages"] if isinstance(record, dict) else record))
+                    if len(found) == end - start:
+                        break
+                number += 1
+        if len(found) != end - start:
+            self.check_unchanged()
+            raise DataError(f"{self.path}: lines {self.lines[start]}-{self.lines[end - 1]} are gone")
+        return found
+
+
+def tokenized(messages: list[dict[str, str]], chat: ChatFormat) -> Example:
+    return Example([(m["role"], chat.text(m["content"])) for m in messages])
+
+
+# ---- engines: prompts in, greedy answers (without the end token) out, in the prompts' order ----
+
+
+def cut_answer(row: list[int], end_id: int) -> list[int]:
+    return row[: row.index(end_id)] if end_id in row else row
+
+
+def bucket_width(longest: int, min_width: int) -> int:
+    """min_width x the smallest power of two that holds `longest` (64, 128, 256, ...)."""
+    width = min_width
+    while width < longest:
+        width *= 2
+    return width
+
+
+def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> list[list[int]] | None:
+    """`generate` with a static cache over left-padded batches of similar length (sorted). Each
+    compiled shape is a (batch, width) pair: widths are bucketed (bucket_width), and when compiling
+    a batch that is not full is filled with copies of its last prompt (their answers are dropped),
+    so a whole data set compiles a handful of shapes. None if a stop came between batches."""
+    from transformers import GenerationConfig
+
+    device = next(target.parameters()).device
+    compiled = settings.compile and device.type == "cuda"
+    # Uncompiled (several worker threads: Dynamo is not thread safe) the dynamic cache is the faster
+    # one (H200: 775 tok/s dynamic; the static cache pays off once compiled, 1,366).
+    cache = "static" if settings.compile else None
+    config = GenerationConfig(
+        max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=chat.end_id,
+        pad_token_id=pad_id, cache_implementation=cache, disable_compile=not compiled,
+    )  # fmt: skip
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list[list[int]] = [[] for _ in prompts]
+    for first in range(0, len(order), settings.batch_size):
+        if should_stop():
+            return None
+        chunk = order[first : first + settings.batch_size]
+        rows = [prompts[i] for i in chunk]
+        if compiled:
+            rows += [rows[-1]] * (settings.batch_size - len(rows))
+        width = bucket_width(len(rows[-1]), settings.min_width)  # sorted: the last is the longest
+        ids = torch.tensor([[pad_id] * (width - len(row)) + row for row in rows])
+        mask = (torch.arange(width) >= width - torch.tensor([len(row) for row in rows])[:, None]).long()
+        output = target.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+        )
+        for i, row in zip(chunk, output[: len(chunk), width:].tolist(), strict=True):
+            answers[i] = cut_answer(row, chat.end_id)
+    return answers
+
+
+def continuous_generate(target, prompts, settings, chat, pad_id, should_stop) -> list[list[int]] | None:
+    """transformers' continuous batching (paged attention); one call per shard and turn."""
+    from transformers import GenerationConfig
+
+    if should_stop():
+        return None
+    config = GenerationConfig(
+        max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=chat.end_id, pad_token_id=pad_id
+    )
+    options = {}
+    if next(target.parameters()).device.type == "cpu":
+        # Its default paged cache takes most of the free memory; on a CPU that is the machine's RAM.
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        options["continuous_batching_config"] = ContinuousBatchingConfig(max_memory_percent=0.02)
+    results = target.generate_batch(
+        [list(p) for p in prompts], generation_config=config, progress_bar=False, **options
+    )
+    # Request ids are req_<n>, numbered in the order of the inputs.
+    in_order = sorted(results.items(), key=lambda item: int(item[0].rsplit("_", 1)[1]))
+    return [cut_answer(list(result.generated_tokens), chat.end_id) for _, result in in_order]
+
+
+GENERATORS = {"static": static_generate, "continuous": continuous_generate}
+
+
+@dataclass
+class Progress:
+    """Conversations and tokens done across every worker of this process (thread-safe): of `total`
+    (this process's share of the data set), `done_before` were done by an earlier start; the rate
+    and the time left count this start's work only."""
+
+    total: int
+    done_before: int = 0
+    done: int = 0
+    tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, conversations: int, tokens: int) -> None:
+        with self.lock:
+            self.done += conversations
+            self.tokens += tokens
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            elapsed = max(time.monotonic() - self.started, 1e-9)
+            rate = self.done / elapsed
+            eta = (self.total - self.done_before - self.done) / rate if rate > 0 else None
+            return {
+                "kind": "regen", "conversations": self.done_before + self.done, "total": self.total,
+                "tokens": self.tokens,
+                "tokens_per_s": self.tokens / elapsed, "elapsed_s": elapsed, "eta_s": eta,
+            }  # fmt: skip
+
+
+class Regeneration:
+    """The shards of one data set under one key: which exist, generating the missing ones, and the
+    regenerated conversations streamed back in the input's order."""
+
+    def __init__(self, index: DataIndex, settings: RegenSettings, cache_root: Path, key: str,
+                 chat: ChatFormat, pad_id: int, max_positions: int | None):  # fmt: skip
+        self.index, self.settings, self.key, self.chat = index, settings, key, chat
+        self.pad_id, self.max_positions = pad_id, max_positions
+        # A fast tokenizer used from several threads at once can fail ("Already borrowed"): the
+        # workers take turns for it (it is cheap next to generating).
+        self.tokenizer_lock = threading.Lock()
+        self.directory = cache_root / "regenerated" / key
+        size = settings.shard_size
+        self.ranges = [(s, min(s + size, len(index))) for s in range(0, len(index), size)]
+
+    def shard_path(self, start: int, end: int) -> Path:
+        return self.directory / f"shard-{start:09d}-{end:09d}.jsonl"
+
+    def missing(self) -> list[int]:
+        return [i for i, (s, e) in enumerate(self.ranges) if not self.shard_path(s, e).exists()]
+
+    def conversations_done(self) -> int:
+        gone = set(self.missing())
+        return sum(e - s for i, (s, e) in enumerate(self.ranges) if i not in gone)
+
+    def prepare(self) -> None:
+        """The directory, and no temporary file of a killed writer left behind (never read)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for leftover in self.directory.glob(".shard-*.tmp"):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+
+    @contextlib.contextmanager
+    def lock(self):
+        """One regeneration per key at a time on this cache (a second one is refused, not queued)."""
+        path = self.directory / ".lock"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise DataError(
+                f"cannot write the regeneration cache {self.directory}: {exc.strerror}; point "
+                "data.cache_dir at a writable directory with room for the regenerated data"
+            ) from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                raise DataError(
+                    f"another regeneration (pid {holder}) is filling {self.directory}; wait for it to "
+                    "finish (its shards will be used) or stop it"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            yield
+        finally:
+            os.close(fd)
+
+    def generate(self, worker: int, workers: int, target, progress: Progress,
+                 should_stop: Callable[[], bool]) -> bool:  # fmt: skip
+        """This worker's missing shards (i % workers == worker). False if a stop came."""
+        for shard in self.missing():
+            if shard % workers != worker:
+                continue
+            start, end = self.ranges[shard]
+            rows = self.regenerate_shard(start, end, target, progress, should_stop)
+            if rows is None:
+                return False
+            self.index.check_unchanged()
+            self.write_shard(self.shard_path(start, end), rows)
+            progress.add(end - start, 0)
+        return True
+
+    def regenerate_shard(self, start, end, target, progress, should_stop) -> list[dict] | None:
+        conversations = self.index.read(start, end)
+        with self.tokenizer_lock:
+            examples = [tokenized(messages, self.chat) for _, messages in conversations]
+        generate = GENERATORS[self.settings.engine]
+        for turn in range(max(len(e.turns) for e in examples)):
+            todo = [
+                i for i, e in enumerate(examples) if len(e.turns) > turn and e.turns[turn][0] == "assistant"
+            ]
+            if not todo:
+                continue
+            with self.tokenizer_lock:
+                prompts = [prompt_ids(examples[i], self.chat, turn) for i in todo]
+            self.check_context([conversations[i][0] for i in todo], prompts)
+            with torch.no_grad():
+                answers = generate(target, prompts, self.settings, self.chat, self.pad_id, should_stop)
+            if answers is None:
+                return None
+            for i, answer in zip(todo, answers, strict=True):
+                examples[i].turns[turn] = ("assistant", answer)
+            progress.add(0, sum(len(a) for a in answers))
+        return [
+            {"line": line, "turns": e.turns} for (line, _), e in zip(conversations, examples, strict=True)
+        ]
+
+    def check_context(self, lines: list[int], prompts: list[list[int]]) -> None:
+        if self.max_positions is None:
+            return
+        for line, prompt in zip(lines, prompts, strict=True):
+            if len(prompt) + self.settings.max_new_tokens > self.max_positions:
+                raise DataError(self.too_long(line, len(prompt)))
+
+    def too_long(self, line: int, prompt_tokens: int) -> str:
+        return (
+            f"{self.index.path}:{line}: the conversation needs up to {prompt_tokens} prompt tokens + "
+            f"{self.settings.max_new_tokens} new ones, more than the target's context of "
+            f"{self.max_positions}; shorten or remove it, or lower data.regen_max_new_tokens "
+            "(the shards finished so far are kept)"
+        )
+
+    def check_contexts_before_generating(self, shards: list[int]) -> None:
+        """Every conversation of these shards fits the target's context even if each earlier answer
+        takes all max_new_tokens: checked before any generation, so a conversation that cannot fit
+        stops the run at its start, not hours in (fixing the file changes its key)."""
+        if self.max_positions is None:
+            return
+        longest_answer = self.settings.max_new_tokens
+        for shard in shards:
+            for line, messages in self.index.read(*self.ranges[shard]):
+                with self.tokenizer_lock:
+                    example = tokenized(messages, self.chat)
+                    header = len(self.chat.header("assistant"))
+                    closing = len(self.chat.end) + len(self.chat.newline)
+                    prompt = 0
+                    for role, content in example.turns:
+                        if role == "assistant" and prompt + header + longest_answer > self.max_positions:
+                            raise DataError(self.too_long(line, prompt + header))
+                        body = longest_answer if role == "assistant" else len(content)
+                        prompt += len(self.chat.header(role)) + body + closing
+
+    def write_shard(self, path: Path, rows: list[dict]) -> None:
+        """Atomically: a temporary file, fsync, rename, fsync of the directory. A full disk leaves
+        no partial shard, and every finished shard stays."""
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with tmp.open("w") as handle:
+                for row in rows:
+                    handle.write(json.dumps(row) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if exc.errno == errno.ENOSPC:
+                done = self.conversations_done()
+                raise DataError(
+                    f"disk full writing {path}: {exc.strerror}; {done} of {len(self.index)} conversations "
+                    f"are regenerated and kept in {self.directory}. Free space and run again to continue"
+                ) from None
+            raise
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def examples(self, start: int = 0, end: int | None = None) -> ShardedExamples:
+        return ShardedExamples(self, start, len(self.index) if end is None else end)
+
+
+class ShardedExamples:
+    """Regenerated conversations start..end-1 in the input's order, streamed from the shard files
+    (one shard in memory at a time); iterable any number of times."""
+
+    def __init__(self, regeneration: Regeneration, start: int, end: int):
+        self.regeneration, self.start, self.end = regeneration, start, end
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def rows(self) -> Iterator[dict]:
+        for start, end in self.regeneration.ranges:
+            if end <= self.start or start >= self.end:
+                continue
+            path = self.regeneration.shard_path(start, end)
+            with path.open() as handle:
+                for position, line in enumerate(handle, start):
+                    if self.start <= position < self.end:
+                        yield json.loads(line)
+
+    def __iter__(self) -> Iterator[Example]:
+        for row in self.rows():
+            yield Example([(role, ids) for role, ids in row["turns"]])
+
+
+class TokenizedFile:
+    """Conversations start..end-1 of a data file used as it is, tokenized as they are read."""
+
+    def __init__(self, index: DataIndex, chat: ChatFormat, start: int, end: int):
+        self.index, self.chat, self.start, self.end = index, chat, start, end
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __iter__(self) -> Iterator[Example]:
+        for position, (_, messages) in enumerate(iter_conversations(self.index.path)):
+            if position >= self.end:
+                return
+            if position >= self.start:
+                yield tokenized(messages, self.chat)
+
+
+def run_workers(regeneration: Regeneration, targets: list, progress: Progress, should_stop,
+                report: Callable[[], None], report_every_s: float, rank: int = 0,
+                world_size: int = 1) -> bool:  # fmt: skip
+    """One generating thread per target (device) while this thread reports progress every
+    report_every_s. Under torchrun each of the world_size ranks runs this with its own targets: the
+    run's workers are every rank's threads, worker rank * len(targets) + thread. False if a stop
+    came; a worker's exception stops the others at their next batch and is raised here once every
+    worker has ended (the shards they finished are kept)."""
+    errors: list[BaseException] = []
+    stopped = threading.Event()
+
+    def stop_requested() -> bool:
+        return bool(errors) or should_stop()
+
+    def work(worker: int, target) -> None:
+        try:
+            workers = world_size * len(targets)
+            if not regeneration.generate(
+                rank * len(targets) + worker, workers, target, progress, stop_requested
+            ):
+                stopped.set()
+        except BaseException as exc:  # handed to the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(w, t), daemon=True) for w, t in enumerate(targets)]
+    for thread in threads:
+        thread.start()
+    next_report = time.monotonic() + report_every_s
+    while any(thread.is_alive() for thread in threads):  # ends when the workers do
+        threads[0].join(timeout=0.1)
+        if time.monotonic() >= next_report:
+            report()
+            next_report = time.monotonic() + report_every_s
+    if errors:
+        raise errors[0]
+    return not stopped.is_set()
+
+
+def export_chat_jsonl(index: DataIndex, examples: ShardedExamples, tokenizer, destination: Path) -> int:
+    """The regenerated data set as chat JSONL ({"messages": [...]} per line, the input's order):
+    the input's messages with every assistant turn's content replaced by the decoded answer.
+    Written atomically. Returns the number of conversations."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    tmp = destination.with_name(f".{destination.name}.{os.getpid()}.tmp")
+    count = 0
+    try:
+        with tmp.open("w") as handle:
+            originals = iter_conversations(index.path)
+            for (_, messages), row in zip(originals, examples.rows(), strict=True):
+                for message, (role, ids) in zip(messages, row["turns"], strict=True):
+                    if role == "assistant":
+                        message["content"] = tokenizer.decode(ids, skip_special_tokens=False)
+                handle.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+                count += 1
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, destination)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return count
