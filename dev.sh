@@ -71,6 +71,11 @@ case "$command" in
     setup) ;;
     launch)
         run=nographs
+        if [ $# -gt 0 ] && [ -z "$1" ]; then
+            # An empty word would reach ansible-playbook as a playbook path and print its usage.
+            echo "error: the run name is empty; pass one, e.g. ./dev.sh launch nographs (or none: nographs)" >&2
+            exit 2
+        fi
         case "${1:-}" in
             "" | -*) ;;
             *) run=$1; shift ;;

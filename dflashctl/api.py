@@ -159,7 +159,8 @@ class Controller:
     ) -> dict[str, Any]:
         """Run export.yml: the recorded run (or ``run``), its newest valid checkpoint (or ``step``),
         exported to the DFlash format on the first trainer host and fetched to ``dest`` (default
-        <state_dir>/exports/<run_id>). Returns run, run_id, step, tau, dest, serve commands, ..."""
+        <state_dir>/exports/<run_id>/step_<N>, one per step; an explicit ``dest`` holding another
+        export is refused). Returns run, run_id, step, tau, dest, serve commands, live, note, ..."""
         if run is not None and not isinstance(run, str):
             raise TypeError(RUN_NAME_HINT)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
@@ -247,6 +248,9 @@ class Controller:
             "ANSIBLE_CONFIG": str(settings.repo / "ansible.cfg"),
             # ansible-runner starts ansible-playbook from PATH: use the one next to this Python.
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+            # The fact cache: ansible.cfg's plugin (a jsonfile that sets bad content aside), here.
+            "ANSIBLE_CACHE_PLUGIN": "dflash.ct200.checked_jsonfile",
+            "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(state / "facts"),
             **settings.envvars,
         }
         return dict(
@@ -256,8 +260,9 @@ class Controller:
             inventory=str(settings.inventory),
             extravars={"dflash_state_dir": str(state), **settings.extravars, **extravars},
             envvars=env,
-            fact_cache=str(state / "facts"),
-            fact_cache_type="jsonfile",
+            # Not "jsonfile": the runner would set ANSIBLE_CACHE_PLUGIN=jsonfile over ours (and
+            # its get_fact_cache() reads nothing with ansible-core 2.19 anyway).
+            fact_cache_type="dflash.ct200.checked_jsonfile",
             # Without this the runner writes extravars and env (secrets) under env/ on disk.
             suppress_env_files=True,
             rotate_artifacts=settings.keep_artifacts,

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .parallel.topology import WorkerFailed
     from .run.checkpoint import CheckpointWriteError
-    from .run.train import BadInput, train
+    from .run.train import BadInput, Diverged, train
 
     try:
         if args.data_only:
@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return regenerate(cfg, out_dir, None)
         return train(cfg, out_dir, args.resume)
+    except Diverged as exc:
+        return ended(out_dir, fail([f"diverged: {exc}"]), f"diverged: {exc}")
     except BadInput as exc:
         return ended(out_dir, fail([str(exc)]), f"bad input: {exc}")
     except CheckpointWriteError as exc:

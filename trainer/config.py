@@ -10,6 +10,7 @@ Every problem found is collected (not just the first), so ``--check`` can list t
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -26,6 +27,14 @@ RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 # reduce-overhead = {'triton.cudagraphs': True}; max-autotune also sets it; the others do not).
 COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 MODES_WITH_CUDAGRAPHS = ("reduce-overhead", "max-autotune")
+
+# Upper bounds of the numbers no real run reaches: past them a value is a typo, and it would
+# otherwise fail deep inside the run (an overflowing ETA, a seed torch refuses, a timeout
+# that the queue cannot wait for).
+MAX_STEPS = 10**9
+MAX_SEED = 2**63 - 1
+MAX_LR = 1.0
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 CUDAGRAPHS_IN_THREADS = (
     "CUDA graphs cannot be used in the threaded topology: CUDA Graph Trees keep their state in "
@@ -148,12 +157,19 @@ class TrainConfig:
         for name in ("eval_every", "checkpoint_every", "seed"):
             if getattr(self, name) < 0:
                 out.append(f"train.{name} must not be negative, got {getattr(self, name)}")
-        if not self.lr > 0:
-            out.append(f"train.lr must be positive, got {self.lr}")
+        for name in ("steps", "log_every", "eval_every", "checkpoint_every"):
+            if getattr(self, name) > MAX_STEPS:
+                out.append(f"train.{name} must be at most {MAX_STEPS}, got {getattr(self, name)}")
+        if self.seed > MAX_SEED:
+            out.append(f"train.seed must be at most {MAX_SEED}, got {self.seed}")
+        if not 0 < self.lr <= MAX_LR:
+            out.append(f"train.lr must be positive and at most {MAX_LR:g}, got {self.lr}")
         if not 0 <= self.warmup_frac < 1:
             out.append(f"train.warmup_frac must be in [0, 1), got {self.warmup_frac}")
-        if self.grad_clip < 0:
+        if not self.grad_clip >= 0:
             out.append(f"train.grad_clip must not be negative, got {self.grad_clip}")
+        if not self.weight_decay >= 0:
+            out.append(f"train.weight_decay must not be negative, got {self.weight_decay}")
         return out
 
 
@@ -294,6 +310,10 @@ class ParallelConfig:
         out = []
         if self.bucket_mb < 1:
             out.append(f"parallel.bucket_mb must be at least 1, got {self.bucket_mb}")
+        for name in ("step_timeout_s", "shutdown_timeout_s", "rendezvous_timeout_s"):
+            value = getattr(self, name)
+            if value > MAX_TIMEOUT_S:
+                out.append(f"parallel.{name} must be at most {MAX_TIMEOUT_S} (a week), got {value}")
         if not self.step_timeout_s > 0:
             out.append(f"parallel.step_timeout_s must be positive, got {self.step_timeout_s}")
         if self.cpu_threads < 0:
@@ -340,12 +360,24 @@ class Config:
         """Every section's own problems, then the cross-section rules (the compile guard)."""
         out: list[str] = []
         for section in dataclasses.fields(self):
+            out.extend(non_finite(section.name, getattr(self, section.name)))
+        for section in dataclasses.fields(self):
             out.extend(getattr(self, section.name).problems())
         out.extend(compile_guard(self.run, self.compile))
         return out
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def non_finite(section_name: str, section: Any) -> list[str]:
+    """Every float of a section must be a number (YAML's .inf and .nan, --set train.lr=inf are not)."""
+    out = []
+    for item in dataclasses.fields(section):
+        value = getattr(section, item.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            out.append(f"{section_name}.{item.name} must be a finite number, got {value}")
+    return out
 
 
 def compile_guard(run: RunConfig, compile_cfg: CompileConfig) -> list[str]:

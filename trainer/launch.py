@@ -226,6 +226,7 @@ def take_output(out: Path, cfg, args: argparse.Namespace, cmd: list[str]) -> dic
         "restarts": [],
     }
     runrecord.write_record(out, record)
+    runrecord.reserve_space(out)  # so that the record can say how the run ended on a full disk
     return record
 
 

@@ -89,9 +89,14 @@ class Supervisor:
         self.wake = threading.Event()
 
     def on_signal(self, signum: int, _frame) -> None:
-        if self.stop_signal is None:
-            self.stop_signal = signal.Signals(signum).name
-            print(f"supervise: {self.stop_signal}: stopping the trainer for good (no restart)", flush=True)
+        if self.stop_signal is not None:
+            # A second stop (two stop.yml at once): the trainer already checkpoints and exits; the
+            # signal forwarded again would reach it after it restored the default handlers, on its
+            # way out, and end a clean stop as "killed by SIGTERM".
+            print(f"supervise: {signal.Signals(signum).name} again: the stop is under way", flush=True)
+            return
+        self.stop_signal = signal.Signals(signum).name
+        print(f"supervise: {self.stop_signal}: stopping the trainer for good (no restart)", flush=True)
         self.wake.set()
         if self.child is not None and self.child.poll() is None:
             self.child.send_signal(signum)
@@ -150,7 +155,10 @@ class Supervisor:
             self.events.record("finish", "finished", exit_status=0, restarts=crashes)
             return 0
         if status == 2:
-            reason = crash_reason(status).replace("exit status 2: ", "bad input: ", 1)
+            reason = crash_reason(status)
+            # A diverged run (trainer/cli.py) says so; any other exit status 2 is bad input.
+            reason = reason.replace("exit status 2: diverged: ", "diverged: ", 1)
+            reason = reason.replace("exit status 2: ", "bad input: ", 1)
             self.events.record("failed", reason, exit_status=2, reason=reason, restarts=crashes)
             return 2
         if self.stop_signal is not None:
@@ -178,7 +186,8 @@ class Supervisor:
                 f"last: {reason}"
             )
             print(f"supervise: failed: {why}", flush=True)
-            self.events.record("failed", why, exit_status=status, reason=why, restarts=crashes - 1)
+            # The run's exit status is the supervisor's (1); the last crash's is in the reason.
+            self.events.record("failed", why, exit_status=1, reason=why, restarts=crashes - 1)
             return 1
         print(
             f"supervise: the trainer {reason}; restart {crashes}/{self.max_restarts} with --resume "

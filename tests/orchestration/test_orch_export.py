@@ -39,7 +39,7 @@ def test_export_of_the_recorded_run_then_by_name_with_the_state_lost(state_dir: 
         assert ctl.status()["exit_status"] == 0
 
         exported = ctl.export()
-        dest = state_dir / "exports" / record["run_id"]
+        dest = state_dir / "exports" / record["run_id"] / "step_20"
         assert exported["dest"] == str(dest) and exported["run_id"] == record["run_id"]
         assert exported["step"] == 20 and exported["dtype"] == "bfloat16" and exported["fetched"] is True
         assert sorted(p.name for p in dest.iterdir()) == [
@@ -57,8 +57,18 @@ def test_export_of_the_recorded_run_then_by_name_with_the_state_lost(state_dir: 
         last_eval = [json.loads(line) for line in metrics.read_text().splitlines()][-1]
         assert exported["tau"] == last_eval["tau"]
 
+        assert exported["live"] is False
+        assert exported["note"] == "Run eager is not training: this is its checkpoint of step 20."
+
         again = ctl.export(step=10, dtype="float32", dest=tmp_path / "chosen")
         assert again["step"] == 10 and (tmp_path / "chosen" / "model.safetensors").is_file()
+        # Another step's export never replaces one: its own directory, or a refusal at an explicit dest.
+        before = (dest / "model.safetensors").read_bytes()
+        assert ctl.export(step=10)["dest"] == str(dest.parent / "step_10")
+        assert (dest / "model.safetensors").read_bytes() == before
+        with pytest.raises(PlaybookFailed, match="already holds the export of step 10 of run eager"):
+            ctl.export(step=20, dest=tmp_path / "chosen")
+        assert json.loads((tmp_path / "chosen" / "export.json").read_text())["step"] == 10
 
         # The controller's state lost: the recorded run is unknown, a run named explicitly still exports.
         shutil.rmtree(state_dir / "facts")
@@ -66,7 +76,7 @@ def test_export_of_the_recorded_run_then_by_name_with_the_state_lost(state_dir: 
             ctl.export()
         by_name = ctl.export(run="eager")
         assert by_name["step"] == 20 and by_name["run_id"] == "eager"
-        assert (state_dir / "exports" / "eager" / "model.safetensors").is_file()
+        assert (state_dir / "exports" / "eager" / "step_20" / "model.safetensors").is_file()
 
         command = ["export", "--run", "eager", "--step", "10", "--dest", str(tmp_path / "cli")]
         cli = subprocess.run(

@@ -101,7 +101,7 @@ def test_status_stop_and_relaunch_see_the_trainer_whatever_the_fact_cache(
     (state_dir / "runs.jsonl").unlink()
     if damage == "corrupt":
         facts.mkdir()
-        (facts / "ct200").write_text('{"trainer_run": {"pid": ')
+        (facts / "s1_ct200").write_text('{"trainer_run": {"pid": ')  # the file ansible-core 2.19 reads
     elif damage == "not_a_directory":
         facts.write_text("a file where the fact cache should be\n")
 

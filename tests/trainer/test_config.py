@@ -193,7 +193,39 @@ BAD_INPUT = [
         "parallel.shard_optimizer: expected true or false",
     ),
     (["--run", "nographs", "--config", "/nonexistent/machine.yml"], "does not exist"),
+    # Non-finite and absurd numbers: each used to train on (loss nan, lr inf) or end in a traceback.
+    (["--run", "nographs", "--set", "train.lr=inf"], "train.lr must be a finite number, got inf"),
+    (["--run", "nographs", "--set", "train.lr=nan"], "train.lr must be a finite number, got nan"),
+    (["--run", "nographs", "--set", "train.lr=5"], "train.lr must be positive and at most 1"),
+    (["--run", "nographs", "--set", "train.grad_clip=-inf"], "train.grad_clip must be a finite number"),
+    (["--run", "nographs", "--set", "drafter.gamma=nan"], "drafter.gamma must be a finite number"),
+    (["--run", "nographs", "--steps", "99999999999999999999"], "train.steps must be at most 1000000000"),
+    (["--run", "nographs", "--seed", "99999999999999999999"], "train.seed must be at most"),
+    (["--run", "nographs", "--set", "parallel.step_timeout_s=inf"], "step_timeout_s must be a finite"),
+    (
+        ["--run", "nographs", "--set", "parallel.rendezvous_timeout_s=99999999999"],
+        "parallel.rendezvous_timeout_s must be at most 604800",
+    ),
 ]
+
+
+def test_the_eta_of_the_longest_allowed_run_is_a_line_not_an_overflow():
+    from trainer.run.train import format_eta
+
+    assert format_eta(1e15) == "999999 days, 0:00:00"  # past timedelta's range: OverflowError before
+    assert format_eta(-5) == "0:00:00" and format_eta(61) == "0:01:01"
+
+
+def test_a_profile_with_yaml_infinity_is_refused(tmp_path, monkeypatch):
+    """YAML's `.inf` is a float like any other to the loader: the finite check catches it."""
+    monkeypatch.setattr("trainer.config.RUNS_DIR", tmp_path)
+    (tmp_path / "hot.yml").write_text("train: {lr: .inf, warmup_frac: .nan}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config("hot")
+    assert refused.value.problems[:2] == [
+        "train.lr must be a finite number, got inf",
+        "train.warmup_frac must be a finite number, got nan",
+    ]
 
 
 @pytest.mark.parametrize(("args", "message"), BAD_INPUT)

@@ -114,6 +114,20 @@ def test_notices_arrive_in_order_with_the_right_fields(tmp_path, cache_dir, rece
 
 
 @pytest.mark.slow
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        (f"http://hook:{SECRET}@127.0.0.1:99999/hooks", "the notice URL is not valid (port out of range)"),
+        ("http://127.0.0.1:99999/hooks", "the notice URL is not valid (port out of range)"),
+        (f"http://[::1/{SECRET}", "the notice URL is not valid (cannot be parsed)"),
+    ],
+)
+def test_a_notice_url_that_cannot_be_used_is_a_reason_not_a_crash(url, why):
+    """A port of 99999 crashed the supervisor at its start notice; now it is one reason in the log."""
+    assert post_notice(url, {"event": "start"}) == why
+
+
 def test_a_notice_url_that_refuses_connections_changes_nothing(tmp_path, cache_dir, monkeypatch):
     straight = tmp_path / "straight"
     result = launch(tmp_path / "straight.log", 0, [*common(cache_dir, steps=6), "--out", str(straight)])

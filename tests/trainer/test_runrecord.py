@@ -203,3 +203,32 @@ def test_full_disk_ends_with_one_line_and_no_partial_file(small_disk: Path, cach
     leftovers = [p.name for p in (out / "checkpoints").iterdir()] if (out / "checkpoints").exists() else []
     assert leftovers == [], "no partial checkpoint file"
     assert all(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()), "whole rows"
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path):
+    """A real 1 MiB file system (tmpfs), which a test fills up; skipped where mounting is not allowed."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]
+    mounted = subprocess.run(command, capture_output=True)
+    if mounted.returncode:
+        pytest.skip("mounting a tmpfs needs root (a full disk cannot be made here)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.unit
+def test_the_record_says_how_a_run_ended_on_a_full_disk(tiny_disk: Path) -> None:
+    out = tiny_disk / "runs" / "nographs"
+    runrecord.write_record(out, {"run_id": "r-1", "pid": os.getpid(), "state": "running"})
+    runrecord.reserve_space(out)
+    with pytest.raises(OSError) as full, (tiny_disk / "filler").open("wb") as filler:
+        for _ in range(4096):  # bounded: 4096 x 4 KiB is more than the disk
+            filler.write(b"x" * 4096)
+            filler.flush()
+    assert full.value.errno == errno.ENOSPC
+    runrecord.note(out, state="crashed", exit_status=1, exit_reason="disk full writing the checkpoint")
+    record = runrecord.read_record(out)
+    assert record["state"] == "crashed" and record["exit_status"] == 1, "the record was not stuck at running"
+    assert not (out / runrecord.RESERVE_NAME).exists(), "the reserve was spent on it"

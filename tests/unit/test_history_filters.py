@@ -205,6 +205,31 @@ def test_the_filters_are_published_under_their_names():
     }
 
 
+def test_a_run_whose_output_was_moved_aside_keeps_its_figures():
+    """-e fresh=true moves the earlier output to <out>.<UTC time>: its launch's row follows it there."""
+    earlier = record("nographs", 10, "2026-01-01T10:00:00Z", "stopped")
+    later = record("nographs", 20, "2026-01-01T11:00:00Z", "running")
+    moved_events = [
+        event("start", 10, "2026-01-01T10:00:01Z", run_id=earlier["run_id"]),
+        event("stop", 10, "2026-01-01T10:30:00Z", step=77),
+    ]
+    figures = {"last_step": 77, "total_steps": 100000, "last_loss": 2.5, "best_tau": 1.4, "last_tau": 1.3}
+    current_events = [event("start", 20, "2026-01-01T11:00:01Z", run_id=later["run_id"])]
+    histories = {
+        "ct200": [
+            entry("nographs.20260101T105959Z", moved_events, **figures),
+            entry("nographs", current_events, last_step=3),
+        ]
+    }
+    rows = history.run_rows([earlier, later], histories, {"ct200": {"10": False, "20": True}}, None,
+                            "2026-01-01T11:10:00Z")  # fmt: skip
+    by_pid = {r["pid"]: r for r in rows}
+    assert by_pid[10]["state"] == "stopped"
+    assert (by_pid[10]["step"], by_pid[10]["total_steps"], by_pid[10]["last_loss"]) == (77, 100000, 2.5)
+    assert (by_pid[10]["best_tau"], by_pid[10]["last_tau"]) == (1.4, 1.3)
+    assert by_pid[20]["step"] == 3 and by_pid[20]["last_loss"] is None
+
+
 def test_a_launch_regenerating_its_data_says_so_and_its_end_names_the_data():
     ledger = [record("prep", 70, "2026-01-02T10:00:00Z"), record("busy", 80, "2026-01-02T11:00:00Z")]
     histories = {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import config_steps, run_steps
 from ansible_collections.dflash.ct200.plugins.modules import run_history
 
 from trainer.config import config_from_dict, dump_config
@@ -134,8 +135,19 @@ def test_bad_arguments_fail_naming_the_option(run_module, args, named) -> None:
 
 
 def test_total_steps_is_the_train_section_s_own_and_none_without_a_config(tmp_path) -> None:
-    assert run_history.total_steps(str(tmp_path / "no-such-dir")) is None
+    assert config_steps(str(tmp_path / "no-such-dir")) is None
     (tmp_path / "config.yml").write_text("eval:\n  steps: 9\ntrain:\n  seed: 1\n  steps: 77\n")
-    assert run_history.total_steps(str(tmp_path)) == 77
+    assert config_steps(str(tmp_path)) == 77
     (tmp_path / "config.yml").write_text("eval:\n  steps: 9\n")
-    assert run_history.total_steps(str(tmp_path)) is None
+    assert config_steps(str(tmp_path)) is None
+
+
+def test_a_run_s_length_is_its_record_s_else_its_config_s(tmp_path) -> None:
+    """What a resume continues to: the record's steps, else config.yml's (the record was lost)."""
+    (tmp_path / "config.yml").write_text("train:\n  steps: 77\n")
+    assert run_steps(str(tmp_path)) == 77
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": "a", "steps": 100000}))
+    assert run_steps(str(tmp_path)) == 100000
+    for junk in ("many", True, 0, None):  # a record of the wrong shape does not count
+        (tmp_path / "run.json").write_text(json.dumps({"run_id": "a", "steps": junk}))
+        assert run_steps(str(tmp_path)) == 77

@@ -76,3 +76,15 @@ def test_tau_of_a_host_without_metrics_comes_from_its_log(tmp_path: Path) -> Non
     assert trainer_proc.last_tau_in_log(str(log)) == {"kind": "eval", "step": 50, "tau": 1.719, "prompts": 16}
     log.write_text("step 1/150 loss 9.0\n")
     assert trainer_proc.last_tau_in_log(str(log)) is None
+
+
+def test_a_full_disk_in_the_log_is_a_crash_not_bad_input() -> None:
+    line = "error: disk full writing /w/runs/r/checkpoints: No space left on device; the last intact ..."
+    verdict = trainer_proc.exit_from_log(["step 3/100 loss 1.0", line])
+    assert verdict["exit_status"] == 1 and verdict["exit_reason"].startswith("crashed: disk full writing")
+    assert trainer_proc.exit_from_log(["error: train.lr must be positive"])["exit_status"] == 2
+    said = "the loss is nan at step 4 (train.lr 0.5); ..."
+    assert trainer_proc.exit_from_log([f"error: diverged: {said}"]) == {
+        "exit_status": 2,
+        "exit_reason": f"diverged: {said}",
+    }

@@ -32,6 +32,7 @@ from .runrecord import jsonl_rows
 EVENTS_FILE = "events.jsonl"
 NOTIFY_URL_FILE_ENV = "DFLASH_NOTIFY_URL_FILE"
 RUN_ID_ENV = "DFLASH_RUN_ID"
+HOST_ENV = "DFLASH_HOST"
 NOTICE_TIMEOUT_S = 5.0
 NOTICE_FIELDS = ("run", "run_id", "host", "event", "exit_status", "step", "tau", "text")
 
@@ -89,7 +90,13 @@ def read_notify_url() -> str | None:
 
 def post_notice(url: str, payload: dict, timeout: float = NOTICE_TIMEOUT_S) -> str | None:
     """POST payload as JSON; None on success, else why not, in words that never contain the URL."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # a port out of range raises here, not at the split
+    except ValueError as exc:
+        # urllib's messages quote no URL, but a port's text is the user's: say what is wrong only.
+        what = "port out of range" if "Port" in str(exc) else "cannot be parsed"
+        return f"the notice URL is not valid ({what})"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "the notice URL is not an http(s) URL"
     headers = {"Content-Type": "application/json", "User-Agent": "dflash-trainer"}
@@ -99,8 +106,8 @@ def post_notice(url: str, payload: dict, timeout: float = NOTICE_TIMEOUT_S) -> s
         userinfo = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
         headers["Authorization"] = "Basic " + base64.b64encode(userinfo.encode()).decode()
         netloc = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
-        if parts.port:
-            netloc += f":{parts.port}"
+        if port:
+            netloc += f":{port}"
         url = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
     request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers=headers, method="POST")
     try:
@@ -140,7 +147,8 @@ class EventLog:
         self.out_dir = out_dir
         self.run = run
         self.run_id = run_id or os.environ.get(RUN_ID_ENV) or default_run_id(run, os.getpid())
-        self.host = socket.gethostname()
+        # The inventory's name for this host where the launch gave it (run.sh), as the docs show it.
+        self.host = os.environ.get(HOST_ENV) or socket.gethostname()
         self.notify_url = notify_url if notify_url is not None else read_notify_url()
         self.identity = process_identity()
 

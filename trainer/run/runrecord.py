@@ -30,6 +30,7 @@ collection cannot link outside itself); tests/trainer/test_runrecord.py keeps th
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -107,7 +108,38 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+RESERVE_NAME = ".run.json.reserve"
+RESERVE_BYTES = 256 * 1024
+"""Disk space kept for the record's last words: a run that fills its disk still records how it ended."""
+
+
+def reserve_space(out: Path | str) -> None:
+    """Keep RESERVE_BYTES of real blocks in <out>/.run.json.reserve (written, not sparse), freed by
+    write_record when the disk is full. Best effort: a disk already full reserves nothing."""
+    path = Path(out) / RESERVE_NAME
+    try:
+        with path.open("wb") as handle:
+            handle.write(b"\0" * RESERVE_BYTES)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
 def write_record(out: Path | str, record: dict) -> Path:
+    """Write the record atomically; on a full disk, free the reserved space and write it again."""
+    try:
+        return _write_record(out, record)
+    except OSError as exc:
+        reserve = Path(out) / RESERVE_NAME
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not reserve.exists():
+            raise
+        reserve.unlink()
+        return _write_record(out, record)
+
+
+def _write_record(out: Path | str, record: dict) -> Path:
     """Write the record atomically: temporary file in the same directory, fsync, rename."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

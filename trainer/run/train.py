@@ -14,6 +14,7 @@ log; sinks.py), and the stop decision and the evaluation's outcome hold on every
 from __future__ import annotations
 
 import datetime
+import math
 import signal
 import socket
 import sys
@@ -43,7 +44,12 @@ from .regen import DataSource, prepare_data
 from .resume import BadInput, ResumePoint, checkpoint_state, find_resume_point, restore
 from .sinks import Output, open_output
 
-__all__ = ["BadInput", "train"]  # BadInput: the command line turns it into exit status 2
+__all__ = ["BadInput", "Diverged", "train"]  # the command line turns both into exit status 2
+
+
+class Diverged(BadInput):
+    """The loss or the weights stopped being finite numbers: training on would only waste the
+    machine (a restart from the same checkpoint diverges the same way), so the run ends `failed`."""
 
 Topology = ThreadedTopology | ProcessTopology
 World = ThreadedWorld | ProcessWorld
@@ -100,7 +106,8 @@ class Models:
 
 
 def format_eta(seconds: float) -> str:
-    return str(datetime.timedelta(seconds=int(max(0.0, seconds))))
+    # Bounded below timedelta's limit (999999999 days): a very long run's ETA must never end it.
+    return str(datetime.timedelta(seconds=int(min(max(0.0, seconds), 86400 * 999_999))))
 
 
 def place_workers(cfg: Config) -> Placement:
@@ -323,7 +330,12 @@ class Run:
         return self.tau
 
     def save(self, step: int) -> None:
-        """A checkpoint of this step, written by rank 0 (a collective in the process topology)."""
+        """A checkpoint of this step, written by rank 0 (a collective in the process topology).
+        Weights that are no longer finite are never written: the newest checkpoint stays the last
+        finite one."""
+        finite = all(bool(torch.isfinite(p).all()) for p in self.models.replicas[0].params)
+        if self.world.any(not finite):
+            self.diverged(step, "the drafter's weights are not finite")
         state = checkpoint_state(step, self.cfg, self.topology, self.loader, self.tau0)
         writer = self.world.is_lead
         path = save_checkpoint(self.out_dir / "checkpoints", step, state) if writer else None
@@ -336,6 +348,17 @@ class Run:
             host, saved = self.world.gather((socket.gethostname(), str(path)) if writer else None)[0]
             if not writer:
                 self.out.line(f"checkpoint saved step {step} by rank 0 on {host}: {saved}")
+
+    def diverged(self, step: int, what: str) -> None:
+        """Stop the run: one line naming the step, the newest (finite) checkpoint and the way out."""
+        saved = runrecord.checkpoints(self.out_dir)
+        kept = f"its newest checkpoint, step {saved[-1][0]}, is kept" if saved else "it has no checkpoint"
+        if not self.world.is_lead:
+            kept = "rank 0 keeps its newest checkpoint"
+        raise Diverged(
+            f"{what} at step {step} (train.lr {self.cfg.train.lr:g}); the run stopped, {kept}: "
+            "lower train.lr or check the data, then resume or start fresh"
+        )
 
     def log_progress(self, step: int, loss: float, meter: Throughput) -> None:
         window, eta, elapsed = meter.report(step)
@@ -439,8 +462,15 @@ def training_loop(run: Run, step: int) -> int:
         loss, batch, _ = train_step(run.topology, run.loader)
         step += 1
         meter.add(count_batch(batch, cfg.drafter.num_anchors))
-        if step == total or every(step, cfg.train.log_every):
-            run.log_progress(step, float(loss), meter)
+        logs = step == total or every(step, cfg.train.log_every)
+        if logs or every(step, cfg.train.checkpoint_every):
+            # Read only where the loss is waited for anyway (a log line, a checkpoint): reading it
+            # every step would stall the workers, which queue the next step before it is read.
+            loss = float(loss)
+            if not math.isfinite(loss):
+                run.diverged(step, f"the loss is {loss}")
+        if logs:
+            run.log_progress(step, loss, meter)
         if (step == total or every(step, cfg.train.eval_every)) and run.evaluate(step) is None:
             return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
         if step == total or every(step, cfg.train.checkpoint_every):

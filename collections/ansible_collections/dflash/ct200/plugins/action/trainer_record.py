@@ -6,8 +6,10 @@ and trainer_pid, and the record's line in the run ledger."""
 from __future__ import annotations
 
 import os
+import tempfile
 
-from ansible.errors import AnsibleActionFail
+from ansible import constants as C
+from ansible.errors import AnsibleActionFail, AnsibleError
 from ansible.plugins.action import ActionBase
 from ansible_collections.dflash.ct200.plugins.plugin_utils import ledger
 
@@ -22,6 +24,26 @@ ARGUMENT_SPEC = {
 def facts_of(record: dict) -> dict:
     """The host facts that hold the record (the names docs/ARCHITECTURE.md gives them)."""
     return {"trainer_run": record, "trainer_pid": record.get("pid")}
+
+
+def fact_cache_problem() -> str | None:
+    """One line saying why the controller's fact cache cannot keep the record, or None where it can.
+    Ansible only warns when it cannot write a fact, so a repair would otherwise be said as done."""
+    from ansible.plugins.loader import cache_loader
+
+    try:
+        plugin = cache_loader.get(C.CACHE_PLUGIN)
+    except AnsibleError as exc:
+        return f"the controller's fact cache cannot be used ({exc.message.rstrip('.')})"
+    directory = getattr(plugin, "_cache_dir", None)
+    if not directory:
+        return None  # a cache that keeps nothing on disk (memory)
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        return f"the controller's fact cache {directory} cannot be written ({exc.strerror})"
+    return None
 
 
 class ActionModule(ActionBase):
@@ -44,6 +66,7 @@ class ActionModule(ActionBase):
             record=record,
             path=path,
             ledger_error=None,
+            cache_error=fact_cache_problem(),
             ansible_facts=facts_of(record),
             _ansible_facts_cacheable=True,
         )

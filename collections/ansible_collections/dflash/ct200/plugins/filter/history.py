@@ -115,6 +115,20 @@ def launches_only_on_targets(ledger: list[dict], histories) -> list[dict]:
     return list(found.values())
 
 
+def output_of(record: dict, histories) -> dict | None:
+    """The history entry of the output a launch wrote: the one whose events hold its start (it
+    follows an output that -e fresh=true moved aside to <out>.<UTC time>), else the one at the
+    recorded path."""
+    entries = (histories or {}).get(record.get("host") or "") or []
+    pid, run_id = str(record.get("pid")), record.get("run_id")
+    for entry in entries:
+        for event in entry.get("events") or []:
+            ours = str(event.get("pid")) == pid and event.get("run_id") in (None, run_id)
+            if event.get("event") == "start" and ours:
+                return entry
+    return next((entry for entry in entries if entry.get("out") == record.get("out")), None)
+
+
 def run_rows(ledger, histories, alive_by_host=None, run=None, now=None) -> list[dict]:
     """The launches, newest first: the ledger's (text or records) and those only the targets know.
     histories: {host: [run_history entries]}; alive_by_host: {host: {pid: bool}}; run: only this
@@ -125,9 +139,7 @@ def run_rows(ledger, histories, alive_by_host=None, run=None, now=None) -> list[
     rows = []
     for record in [r for r in ledger if not run or r.get("run") == run]:
         host = record.get("host") or ""
-        entry = next(
-            (h for h in (histories or {}).get(host) or [] if h.get("out") == record.get("out")), None
-        )
+        entry = output_of(record, histories)
         pid = record.get("pid")
         events = [e for e in (entry or {}).get("events") or [] if str(e.get("pid")) == str(pid)]
         alive = ((alive_by_host or {}).get(host) or {}).get(str(pid))
@@ -136,10 +148,10 @@ def run_rows(ledger, histories, alive_by_host=None, run=None, now=None) -> list[
         finish = parse_time(ended) or (now if state in ("running", "recovered") and alive else None)
         # A later launch on the same output shares its metrics: they describe this launch only
         # when it is the newest launch of that output on that host.
-        newest = not any(
+        newest = entry is not None and not any(
             r is not record
             and r.get("host") == host
-            and r.get("out") == record.get("out")
+            and output_of(r, histories) is entry
             and (r.get("started_at") or "") > (record.get("started_at") or "")
             for r in ledger
         )

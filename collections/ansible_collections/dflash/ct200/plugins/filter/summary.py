@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import urllib.parse
 
 PROXMOX_CONNECTION = "community.proxmox.proxmox_pct_remote"
 LABEL_WIDTH = 9  # "run      ", "PID      ": a label column the eye can follow down
@@ -135,6 +136,47 @@ def stop_block(result: dict, host: str, record: dict | None) -> list[str]:
     return lines
 
 
+def notice_url_problem(url) -> str:
+    """What makes a notify_url unusable, in words that never quote it (it may hold credentials);
+    '' where it is fine or not set. The trainer's own check (trainer/run/events.py) is the same."""
+    if url is None or str(url) == "":
+        return ""
+    try:
+        parts = urllib.parse.urlsplit(str(url))
+        port = parts.port  # raises ValueError out of 0..65535 or not a number
+    except ValueError:
+        return "has a port that is not a number of 1..65535, or cannot be parsed"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "is not an http(s) URL with a host"
+    if port == 0:
+        return "has a port that is not a number of 1..65535, or cannot be parsed"
+    if any(c.isspace() for c in str(url)):
+        return "contains white space"
+    return ""
+
+
+def repair_said(line, write: dict | None = None) -> str | None:
+    """A repair or update line as it really went: where the record could not be kept in the fact
+    cache or the ledger (the trainer_record action's cache_error and ledger_error), the line says
+    so instead of claiming the repair."""
+    if not line:
+        return line
+    write = write if isinstance(write, dict) else {}
+    cache_error, ledger_error = write.get("cache_error"), write.get("ledger_error")
+    if cache_error and ledger_error:
+        kept = "nothing kept on the controller"
+    elif cache_error:
+        kept = "ledger repaired"
+    elif ledger_error:
+        kept = "cache repaired"
+    else:
+        return line
+    line = str(line).replace("cache and ledger repaired", kept).replace(
+        "record and ledger updated", kept.replace("repaired", "updated")
+    )
+    return "; but ".join([line, *(error for error in (cache_error, ledger_error) if error)])
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -144,4 +186,6 @@ class FilterModule:
             "status_line": status_line,
             "status_block": status_block,
             "stop_block": stop_block,
+            "repair_said": repair_said,
+            "notice_url_problem": notice_url_problem,
         }

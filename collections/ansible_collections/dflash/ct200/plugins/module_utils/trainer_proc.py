@@ -7,17 +7,21 @@ recorded at launch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import time
 from itertools import pairwise
 from pathlib import Path
 
 from ansible_collections.dflash.ct200.plugins.module_utils.run_record import (
+    RECORD_FORMAT,
     checkpoints,
     last_metrics,
     lock_holder,
     read_record,
+    write_record,
 )
 
 PROGRESS_RE = re.compile(r"^step \d+/\d+ ")
@@ -25,6 +29,33 @@ PROGRESS_RE = re.compile(r"^step \d+/\d+ ")
 # and the trainer's own verdict (an `error: ...` line) comes before it.
 VERDICT_LINES = 400
 CHECKPOINT_RE = re.compile(r"^checkpoint saved step \d+ ")
+CONFIG_STEPS_RE = re.compile(r"^\s+steps:\s*(\d+)\s*$")
+
+
+def config_steps(out: str) -> int | None:
+    """train.steps of <out>/config.yml (the trainer writes it at every start), without a YAML parser."""
+    try:
+        with open(os.path.join(out, "config.yml"), encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    section = None
+    for line in lines:
+        if line and not line[0].isspace():
+            section = line.rstrip(":").strip()
+        elif section == "train" and (match := CONFIG_STEPS_RE.match(line)):
+            return int(match.group(1))
+    return None
+
+
+def run_steps(out: str) -> int | None:
+    """The steps an output's run was started with: its record's, else its config.yml's (a run
+    whose record was lost still knows its length), None where neither says."""
+    record = read_record(out)
+    steps = record.get("steps") if isinstance(record, dict) else None
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
+        return steps
+    return config_steps(out)
 
 
 def boot_id() -> str:
@@ -182,6 +213,12 @@ def _verdict(lines: list[str]) -> dict:
             return {"exit_status": 0, "exit_reason": "finished"}
         if line.startswith("stopped at step "):
             return {"exit_status": 0, "exit_reason": "stopped after a checkpoint"}
+        if line.startswith("error: disk full "):
+            # trainer/cli.py's full disk: exit status 1, not bad input (its record may not say so
+            # where no space was reserved for it).
+            return {"exit_status": 1, "exit_reason": "crashed: " + line[len("error: ") :]}
+        if line.startswith("error: diverged: "):
+            return {"exit_status": 2, "exit_reason": line[len("error: ") :]}
         if line.startswith("error: "):
             return {"exit_status": 2, "exit_reason": "bad input: " + line[len("error: ") :]}
         if line.startswith("Traceback ") or line.startswith("RuntimeError") or "Error: " in line:
@@ -192,7 +229,9 @@ def _verdict(lines: list[str]) -> dict:
 # The truth on the target: the run records and output locks under the workspace's runs directory
 # (module_utils/run_record.py is trainer/run/runrecord.py, linked: one owner of the format).
 
-ENDED_STATES = {"finished": "finished", "stopped": "stopped", "failed": "failed", "crashed": "failed"}
+# One vocabulary of end states (docs/OPERATING.md, "End states and exit statuses"): what the record
+# says is what status, the ledger and the history say.
+ENDED_STATES = {"finished": "finished", "stopped": "stopped", "failed": "failed", "crashed": "crashed"}
 KILLED_REASON = (
     "killed: it ended without closing its run record (SIGKILL, out of memory, or the host went down)"
 )
@@ -209,13 +248,72 @@ def _outputs(runs_dir: str | None) -> list:
     return [child for child in children if child.is_dir() and "." not in child.name]
 
 
+RUN_ID_ENV = b"DFLASH_RUN_ID="  # what trainer.launch puts in the environment it execs with
+
+
+def _started_at(start_ticks: int) -> str | None:
+    """A process's start as UTC time, from its start in clock ticks since boot (/proc/stat btime)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as handle:
+            btime = next(int(line.split()[1]) for line in handle if line.startswith("btime "))
+        started = btime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, ValueError):
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
+
+
+def rebuilt_record(out, holder: int) -> dict | None:
+    """The run record of a live trainer whose record was lost (<out>/run.json deleted), rebuilt
+    from what the target knows: the lock holder's process (start time, command line, the run id in
+    its environment, the log its stdout goes to) and the output's config.yml. Written back to
+    <out>/run.json, so that the trainer notes its end there again. None where the holder is not a
+    trainer of this output."""
+    stat = read_stat(holder)
+    run = Path(out).name
+    cmdline = read_cmdline(holder)
+    if stat is None or stat["state"] in ("Z", "X") or not is_trainer_cmdline(cmdline, run):
+        return None
+    try:
+        with open(f"/proc/{holder}/environ", "rb") as handle:
+            environ = handle.read().split(b"\0")
+    except OSError:
+        environ = []
+    run_id = next((v[len(RUN_ID_ENV) :].decode() for v in environ if v.startswith(RUN_ID_ENV)), None)
+    try:
+        log = os.readlink(f"/proc/{holder}/fd/1")
+    except OSError:
+        log = None
+    record = {
+        "format": RECORD_FORMAT,
+        "run": run,
+        "run_id": run_id or f"{run}-rebuilt-{holder}",
+        "pid": holder,
+        "start_time": stat["start_time"],
+        "boot_id": boot_id(),
+        "host": os.uname().nodename,
+        "out": str(out),
+        "log": log if log and log.startswith("/") else None,
+        "started_at": _started_at(stat["start_time"]),
+        "steps": run_steps(str(out)),
+        "cmdline": cmdline,
+        "state": "running",
+        "rebuilt": "the run record was lost; rebuilt from the process that holds the output's lock",
+    }
+    with contextlib.suppress(OSError):  # reported all the same: the lock says it runs
+        write_record(out, record)
+    return record
+
+
 def target_run(out) -> dict | None:
     """One output's record with what the target says now: live (its lock is held by our trainer),
-    the state for the controller's record and the exit as the record tells it."""
+    the state for the controller's record and the exit as the record tells it. A live lock holder
+    whose record was lost gets its record rebuilt (rebuilt_record): the lock is the last word."""
     record = read_record(out)
+    holder = lock_holder(out)
+    if (record is None or not record.get("run_id")) and holder:
+        record = rebuilt_record(out, holder)
     if record is None or not record.get("run_id"):
         return None
-    holder = lock_holder(out)
     now = probe(record.get("pid"), record.get("start_time"), record.get("boot_id"), record.get("run"))
     # The recorded PID with its start time, boot id and command line is the run's own process, alive:
     # live, whatever /proc/locks shows (inside some containers it lists no holder for a held lock).

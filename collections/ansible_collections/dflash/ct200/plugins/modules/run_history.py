@@ -58,30 +58,12 @@ alive:
 """
 
 import os
-import re
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.dflash.ct200.plugins.module_utils.run_record import jsonl_rows
-from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import probe
+from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import config_steps, probe
 
-STEPS_RE = re.compile(r"^\s+steps:\s*(\d+)\s*$")
 MAX_EVENTS = 200
-
-
-def total_steps(out: str) -> int | None:
-    """train.steps of <out>/config.yml (the trainer writes it at every start), without a YAML parser."""
-    try:
-        with open(os.path.join(out, "config.yml"), encoding="utf-8") as handle:
-            lines = handle.read().splitlines()
-    except OSError:
-        return None
-    section = None
-    for line in lines:
-        if line and not line[0].isspace():
-            section = line.rstrip(":").strip()
-        elif section == "train" and (match := STEPS_RE.match(line)):
-            return int(match.group(1))
-    return None
 
 
 def thin(rows: list, points: int) -> list:
@@ -113,7 +95,7 @@ def summarize(out: str, points: int) -> dict:
     result = {
         "out": out,
         "name": os.path.basename(out.rstrip("/")),
-        "total_steps": total_steps(out),
+        "total_steps": config_steps(out),
         "last_step": train_rows[-1]["step"] if train_rows else None,
         "last_loss": train_rows[-1].get("loss") if train_rows else None,
         "elapsed_s": train_rows[-1].get("elapsed_s") if train_rows else None,

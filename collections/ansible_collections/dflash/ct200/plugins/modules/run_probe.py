@@ -69,8 +69,15 @@ options:
       - A run's output directory to inspect before a launch (RV(output)), its checkpoints, record and tau.
     type: path
   steps:
-    description: With O(out), the steps the run is configured for (RV(output.finished)).
+    description:
+      - With O(out), the steps this launch asks for (C(-e steps), else the run profile's).
+      - Unless O(steps_given), a run whose output records its own length (its run record, else its
+        C(config.yml)) keeps it - a run is as long as it was started - and RV(output.steps) says which.
     type: int
+  steps_given:
+    description: Whether O(steps) was asked for (C(-e steps)), so that it wins over the recorded length.
+    type: bool
+    default: false
   disk_path:
     description: A path whose file system's free space is reported (RV(disk)), or its nearest existing parent.
     type: path
@@ -226,8 +233,15 @@ output:
     record_state:
       description: The state its run record says.
       type: str
+    steps:
+      description: The run's length for this launch - O(steps) when given, else the length the output
+        records, else O(steps).
+      type: int
+    recorded_steps:
+      description: The length the output records (run record, else config.yml); null when none.
+      type: int
     finished:
-      description: Whether the newest checkpoint is at or after O(steps).
+      description: Whether the newest checkpoint is at or after RV(output.steps).
       type: bool
 disk:
   description: With O(disk_path), path, free_mib, required_mib, ok.
@@ -275,6 +289,7 @@ from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     probe,
     progress_line,
     reconcile,
+    run_steps,
     tail,
     target_runs,
 )
@@ -294,8 +309,11 @@ def regen_progress_line(regen: dict | None) -> str | None:
     )
 
 
-def output_report(out: str, steps: int | None) -> dict:
+def output_report(out: str, steps: int | None, steps_given: bool = False) -> dict:
     found = checkpoints(out)
+    recorded_steps = run_steps(out) if found else None
+    if recorded_steps and not steps_given:
+        steps = recorded_steps
     newest = found[-1] if found else None
     record = read_record(out) or {}
     size = 0
@@ -313,6 +331,8 @@ def output_report(out: str, steps: int | None) -> dict:
         "checkpoint_mib": round(size / 2**20, 1),
         "tau": tau,
         "record_state": record.get("state"),
+        "steps": steps,
+        "recorded_steps": recorded_steps,
         "finished": bool(newest and steps and newest[0] >= steps),
     }
 
@@ -455,6 +475,7 @@ def main() -> None:
             **trainer_record.argument_spec(),
             "out": {"type": "path"},
             "steps": {"type": "int"},
+            "steps_given": {"type": "bool", "default": False},
             "disk_path": {"type": "path"},
             "min_free_mib": {"type": "int", "default": 1024},
         },
@@ -471,7 +492,7 @@ def main() -> None:
         result = report(module)
     params = module.params
     if params["out"]:
-        result["output"] = output_report(params["out"], params["steps"])
+        result["output"] = output_report(params["out"], params["steps"], params["steps_given"])
     if params["disk_path"]:
         checkpoint_mib = result["output"]["checkpoint_mib"] if params["out"] else 0
         result["disk"] = disk_report(params["disk_path"], params["min_free_mib"], checkpoint_mib)
