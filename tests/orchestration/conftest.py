@@ -44,6 +44,20 @@ BUSY = gpu_state(
 IDLE = gpu_state(0, 0)
 
 
+# A run of the tiny embedded model that trains until it is stopped: one step a second or so.
+ENDLESS_TINY_RUN = [
+    "compile.mode=none",
+    "data.regenerate=false",
+    "train.batch_size=1",
+    "train.eval_prompts=1",
+    "train.eval_max_new_tokens=2",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "train.steps=100000",
+]
+
+
 @pytest.fixture
 def state_dir(tmp_path: Path) -> Path:
     return tmp_path / "state"

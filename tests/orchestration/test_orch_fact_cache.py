@@ -10,21 +10,9 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import is_our_trainer, make_controller, stop_leftovers
+from conftest import ENDLESS_TINY_RUN, is_our_trainer, make_controller, stop_leftovers
 
 from dflashctl import Controller, PlaybookFailed, Settings
-
-TINY_FOREVER = [
-    "compile.mode=none",
-    "data.regenerate=false",
-    "train.batch_size=1",
-    "train.eval_prompts=1",
-    "train.eval_max_new_tokens=2",
-    "train.log_every=1",
-    "train.eval_every=0",
-    "train.checkpoint_every=0",
-    "train.steps=100000",
-]
 
 
 def host_file(state_dir: Path) -> Path:
@@ -58,7 +46,7 @@ def set_aside(state_dir: Path) -> list[Path]:
 
 @pytest.mark.slow
 def test_a_cache_of_any_wrong_shape_is_set_aside_and_never_blocks_status_or_stop(state_dir: Path) -> None:
-    ctl = make_controller(state_dir, workspace_trainer_set=TINY_FOREVER)
+    ctl = make_controller(state_dir, workspace_trainer_set=ENDLESS_TINY_RUN)
     try:
         record = ctl.launch("nographs")
         assert json.loads(json.loads(host_file(state_dir).read_text())["__payload__"])["trainer_run"][
@@ -83,7 +71,7 @@ def test_a_cache_of_any_wrong_shape_is_set_aside_and_never_blocks_status_or_stop
         blocker.write_text("a file\n")
         blocked = Controller(
             Settings(state_dir=state_dir, envvars={"ANSIBLE_CACHE_PLUGIN_CONNECTION": str(blocker / "facts")},
-                     extravars={"workspace_trainer_set": TINY_FOREVER}, timeout=900)
+                     extravars={"workspace_trainer_set": ENDLESS_TINY_RUN}, timeout=900)
         )  # fmt: skip
         status = blocked.status()
         assert status["state"] == "running" and status["pid"] == record["pid"]

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import BUSY, IDLE, end_torchruns_of, ledger, make_controller, stop_leftovers
+from conftest import BUSY, ENDLESS_TINY_RUN, IDLE, end_torchruns_of, ledger, make_controller, stop_leftovers
 
 from dflashctl import Controller, PlaybookFailed
 
@@ -197,17 +197,7 @@ def test_process_topology_launch_status_stop(state_dir: Path) -> None:
     ctl = make_controller(
         state_dir,
         dflash_machine={"parallel": {"devices": "cpu", "cpu_workers": 2}},
-        workspace_trainer_set=[
-            "compile.mode=none",
-            "data.regenerate=false",
-            "train.batch_size=1",
-            "train.eval_prompts=1",
-            "train.eval_max_new_tokens=2",
-            "train.log_every=1",
-            "train.eval_every=0",
-            "train.checkpoint_every=0",
-            "train.steps=100000",
-        ],
+        workspace_trainer_set=ENDLESS_TINY_RUN,
     )
     try:
         record = ctl.launch("process")

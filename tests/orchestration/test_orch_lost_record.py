@@ -12,26 +12,14 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import is_our_trainer, ledger, make_controller, stop_leftovers
+from conftest import ENDLESS_TINY_RUN, is_our_trainer, ledger, make_controller, stop_leftovers
 
 from dflashctl import PlaybookFailed
-
-TINY_FOREVER = [
-    "compile.mode=none",
-    "data.regenerate=false",
-    "train.batch_size=1",
-    "train.eval_prompts=1",
-    "train.eval_max_new_tokens=2",
-    "train.log_every=1",
-    "train.eval_every=0",
-    "train.checkpoint_every=0",
-    "train.steps=100000",
-]
 
 
 @pytest.mark.slow
 def test_a_trainer_whose_record_is_lost_is_found_by_its_lock_and_stopped(state_dir: Path) -> None:
-    ctl = make_controller(state_dir, workspace_trainer_set=TINY_FOREVER)
+    ctl = make_controller(state_dir, workspace_trainer_set=ENDLESS_TINY_RUN)
     record: dict = {}
     try:
         record = ctl.launch("nographs")

@@ -11,25 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import end_torchruns_of, is_our_trainer, ledger, stop_leftovers
+from conftest import ENDLESS_TINY_RUN, end_torchruns_of, is_our_trainer, ledger, stop_leftovers
 
 from dflashctl import Controller, PlaybookFailed, Settings
 
 HOSTS = ("node0", "node1")
 # The tiny CPU run of test_orch_flow: no compile, no regeneration, a progress line every step.
-TINY = [
-    "compile.mode=none",
-    "data.regenerate=false",
-    "train.batch_size=1",
-    "train.eval_prompts=1",
-    "train.eval_max_new_tokens=2",
-    "train.log_every=1",
-    "train.eval_every=0",
-    "train.checkpoint_every=0",
-    "train.steps=100000",
-]
-
-
 def free_loopback_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -61,7 +48,7 @@ def pair_inventory(tmp_path: Path, group_vars: dict | None = None, host_vars: di
                 "shutdown_timeout_s": 60,
             }
         },
-        "workspace_trainer_set": TINY,
+        "workspace_trainer_set": ENDLESS_TINY_RUN,
         # gloo between the two "hosts" over loopback only (not the address the hostname resolves to).
         "workspace_trainer_env": {"GLOO_SOCKET_IFNAME": "lo"},
         **(group_vars or {}),
@@ -253,7 +240,9 @@ def test_trainer_dying_on_one_host_stops_the_other(tmp_path: Path) -> None:
                 }
             },
         },
-        host_vars={"node1": {"workspace_trainer_set": [*TINY, "data.train_file=/nonexistent/chat.jsonl"]}},
+        host_vars={
+            "node1": {"workspace_trainer_set": [*ENDLESS_TINY_RUN, "data.train_file=/nonexistent/chat.jsonl"]}
+        },
     )
     try:
         with pytest.raises(PlaybookFailed) as failure:
