@@ -18,7 +18,6 @@ It prints the seconds and the peak RSS (ru_maxrss) of each, and the store's size
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import resource
 import subprocess
@@ -54,7 +53,7 @@ def peak_rss_mb() -> float:
 
 def phase(args) -> dict:
     """One phase in this process (build or open); returns its figures."""
-    from trainer.data.chat import ChatFormat, Example, iter_conversations
+    from trainer.data.chat import ChatFormat, iter_conversations, tokenize_stream
     from trainer.data.embedded import ensure_embedded
     from trainer.data.rows import Loader, build_train_set
     from trainer.data.store import open_or_build
@@ -66,21 +65,17 @@ def phase(args) -> dict:
     source_s = [0.0]  # time spent reading and tokenizing the JSONL (the rest of a build is the store's)
 
     def examples():
-        """Stream the file, tokenizing a chunk of conversations per call of the tokenizer (one call
-        per message costs ~0.3 ms of overhead each, a third of an hour at this scale)."""
-        chunk: list[list[dict[str, str]]] = []
-        began = time.monotonic()
-        for _, messages in itertools.chain(iter_conversations(args.data), [(0, None)]):
-            if messages is not None:
-                chunk.append(messages)
-            if len(chunk) == 1024 or (messages is None and chunk):
-                texts = [m["content"] for conversation in chunk for m in conversation]
-                ids = iter(chat.tokenizer(texts, add_special_tokens=False)["input_ids"])
-                ready = [Example([(m["role"], next(ids)) for m in conversation]) for conversation in chunk]
-                source_s[0] += time.monotonic() - began
-                yield from ready
-                began = time.monotonic()
-                chunk = []
+        """The product's path: the file streamed and tokenized a chunk of conversations at a time
+        (chat.tokenize_stream), the time spent there counted apart from the store's own."""
+        conversations = (messages for _, messages in iter_conversations(args.data))
+        stream = tokenize_stream(conversations, chat)
+        while True:
+            began = time.monotonic()
+            example = next(stream, None)
+            source_s[0] += time.monotonic() - began
+            if example is None:
+                return
+            yield example
 
     started = time.monotonic()
     store = open_or_build(Path(args.store), f"data-bench|{args.data}", chat, examples, log=lambda _: None)

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from trainer.data.chat import ChatFormat, DataError, iter_conversations, prompt_ids
+from trainer.data.chat import ChatFormat, DataError, Example, iter_conversations, prompt_ids
 from trainer.data.regen import (
     DataIndex,
     Progress,
@@ -25,7 +25,6 @@ from trainer.data.regen import (
     raw_key,
     regen_key,
     run_workers,
-    tokenized,
 )
 from trainer.model.target import load_target, load_tokenizer
 
@@ -70,6 +69,11 @@ def regeneration(tmp_path, data, tiny, max_positions=None, **changes) -> Regener
         DataIndex.build(data), settings(**changes), tmp_path / "cache", "key", chat,
         tokenizer.pad_token_id, max_positions,
     )  # fmt: skip
+
+
+def tokenized(messages, chat) -> Example:
+    """One conversation tokenized message by message: the reference for the batched tokenizer."""
+    return Example([(m["role"], chat.text(m["content"])) for m in messages])
 
 
 def plain_greedy(target, chat, data) -> list[list[tuple[str, list[int]]]]:
@@ -339,3 +343,17 @@ def test_each_batch_gets_a_static_cache_of_its_own_width(tiny, monkeypatch):
     answers = static_generate(target, prompts, settings(batch_size=1), chat, pad_id, lambda: False)
     assert len(answers) == 3 and all(answers)
     assert cache_lengths_before_call == [-1, -1, -1]
+
+
+def test_batched_tokenizing_equals_tokenizing_message_by_message(tmp_path, embedded, tiny):
+    """tokenize_stream encodes a chunk of conversations per tokenizer call: the same ids, in the
+    same order, as one call per message, across chunk boundaries and for an empty message."""
+    from trainer.data.chat import tokenize_stream
+
+    _, _, chat = tiny
+    data = write_data(tmp_path / "chat.jsonl", embedded, 30)
+    conversations = [messages for _, messages in iter_conversations(data)]
+    conversations.append([{"role": "user", "content": ""}, {"role": "assistant", "content": "ok"}])
+    batched = list(tokenize_stream(iter(conversations), chat, chunk=7))
+    assert [e.turns for e in batched] == [tokenized(m, chat).turns for m in conversations]
+    assert list(tokenize_stream(iter([]), chat)) == []

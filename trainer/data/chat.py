@@ -4,8 +4,9 @@ store (store.py) and the rows and loader (rows.py) are built from these."""
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,7 +98,24 @@ class Example:
 
 
 def tokenize(conversations: list[list[dict[str, str]]], chat: ChatFormat) -> list[Example]:
-    return [Example([(m["role"], chat.text(m["content"])) for m in conv]) for conv in conversations]
+    return list(tokenize_stream(conversations, chat))
+
+
+def tokenize_stream(
+    conversations: Iterable[list[dict[str, str]]], chat: ChatFormat, chunk: int = 1024
+) -> Iterator[Example]:
+    """Examples of a stream of conversations, in order, tokenized `chunk` conversations per call of
+    the tokenizer: a fast tokenizer encodes a batch on all cores, and one call per message costs
+    ~0.3 ms of overhead each, a third of an hour at 800K conversations."""
+    pending: list[list[dict[str, str]]] = []
+    for conversation in itertools.chain(conversations, [None]):
+        if conversation is not None:
+            pending.append(conversation)
+        if pending and (conversation is None or len(pending) == chunk):
+            texts = [m["content"] for conv in pending for m in conv]
+            ids = iter(chat.tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
+            yield from (Example([(m["role"], next(ids)) for m in conv]) for conv in pending)
+            pending = []
 
 
 def prompt_ids(example: Example, chat: ChatFormat, upto_turn: int) -> list[int]:

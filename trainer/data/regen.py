@@ -22,6 +22,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import threading
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .chat import ChatFormat, DataError, Example, iter_conversations, prompt_ids
+from .chat import ChatFormat, DataError, Example, iter_conversations, prompt_ids, tokenize_stream
 
 REGEN_FORMAT = 2
 ENGINES = ("static", "continuous")
@@ -158,10 +159,6 @@ class DataIndex:
             self.check_unchanged()
             raise DataError(f"{self.path}: lines {self.lines[start]}-{self.lines[end - 1]} are gone")
         return found
-
-
-def tokenized(messages: list[dict[str, str]], chat: ChatFormat) -> Example:
-    return Example([(m["role"], chat.text(m["content"])) for m in messages])
 
 
 # ---- engines: prompts in, greedy answers (without the end token) out, in the prompts' order ----
@@ -361,7 +358,7 @@ class Regeneration:
     def regenerate_shard(self, start, end, target, progress, should_stop) -> list[dict] | None:
         conversations = self.index.read(start, end)
         with self.tokenizer_lock:
-            examples = [tokenized(messages, self.chat) for _, messages in conversations]
+            examples = list(tokenize_stream((messages for _, messages in conversations), self.chat))
         generate = GENERATORS[self.settings.engine]
         for turn in range(max(len(e.turns) for e in examples)):
             todo = [
@@ -405,18 +402,19 @@ class Regeneration:
         if self.max_positions is None:
             return
         longest_answer = self.settings.max_new_tokens
+        header = len(self.chat.header("assistant"))
+        closing = len(self.chat.end) + len(self.chat.newline)
         for shard in shards:
-            for line, messages in self.index.read(*self.ranges[shard]):
-                with self.tokenizer_lock:
-                    example = tokenized(messages, self.chat)
-                    header = len(self.chat.header("assistant"))
-                    closing = len(self.chat.end) + len(self.chat.newline)
-                    prompt = 0
-                    for role, content in example.turns:
-                        if role == "assistant" and prompt + header + longest_answer > self.max_positions:
-                            raise DataError(self.too_long(line, prompt + header))
-                        body = longest_answer if role == "assistant" else len(content)
-                        prompt += len(self.chat.header(role)) + body + closing
+            conversations = self.index.read(*self.ranges[shard])
+            with self.tokenizer_lock:
+                examples = list(tokenize_stream((messages for _, messages in conversations), self.chat))
+            for (line, _), example in zip(conversations, examples, strict=True):
+                prompt = 0
+                for role, content in example.turns:
+                    if role == "assistant" and prompt + header + longest_answer > self.max_positions:
+                        raise DataError(self.too_long(line, prompt + header))
+                    body = longest_answer if role == "assistant" else len(content)
+                    prompt += len(self.chat.header(role)) + body + closing
 
     def write_shard(self, path: Path, rows: list[dict]) -> None:
         """Atomically: a temporary file, fsync, rename, fsync of the directory. A full disk leaves
@@ -484,11 +482,8 @@ class TokenizedFile:
         return self.end - self.start
 
     def __iter__(self) -> Iterator[Example]:
-        for position, (_, messages) in enumerate(iter_conversations(self.index.path)):
-            if position >= self.end:
-                return
-            if position >= self.start:
-                yield tokenized(messages, self.chat)
+        conversations = (messages for _, messages in iter_conversations(self.index.path))
+        yield from tokenize_stream(itertools.islice(conversations, self.start, self.end), self.chat)
 
 
 def run_workers(regeneration: Regeneration, targets: list, progress: Progress, should_stop,

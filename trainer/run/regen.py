@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
-from ..data.chat import ChatFormat, DataError, Example, prompt_ids
+from ..data.chat import ChatFormat, DataError, prompt_ids, tokenize
 from ..data.regen import (
     DataIndex,
     Progress,
@@ -28,7 +28,6 @@ from ..data.regen import (
     raw_key,
     regen_key,
     run_workers,
-    tokenized,
 )
 from . import runrecord
 from .events import EventLog
@@ -86,7 +85,7 @@ def progress_line(row: dict) -> str:
 def eval_prompts(index: DataIndex, chat: ChatFormat, held_out: int) -> list[list[int]]:
     """The last `held_out` conversations' prompts up to their first assistant turn (the same in the
     original and the regenerated data: nothing before the first answer is regenerated)."""
-    examples: list[Example] = [tokenized(m, chat) for _, m in index.read(len(index) - held_out, len(index))]
+    examples = tokenize([messages for _, messages in index.read(len(index) - held_out, len(index))], chat)
     first_answer = [next(i for i, (role, _) in enumerate(e.turns) if role == "assistant") for e in examples]
     return [prompt_ids(e, chat, turn) for e, turn in zip(examples, first_answer, strict=True)]
 
