@@ -6,6 +6,8 @@ and a start that fails on one host stops what started on the other."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 from pathlib import Path
 
@@ -16,7 +18,8 @@ from conftest import ENDLESS_TINY_RUN, end_torchruns_of, is_our_trainer, ledger,
 from dflashctl import Controller, PlaybookFailed, Settings
 
 HOSTS = ("node0", "node1")
-# The tiny CPU run of test_orch_flow: no compile, no regeneration, a progress line every step.
+
+
 def free_loopback_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -257,5 +260,34 @@ def test_trainer_dying_on_one_host_stops_the_other(tmp_path: Path) -> None:
         }
         for record in records:
             assert not is_our_trainer(record), f"{record['host']}'s trainer is still running"
+    finally:
+        cleanup(ctl, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_host_whose_record_is_lost_is_found_by_its_lock_and_stopped_by_its_own_stop(tmp_path: Path) -> None:
+    """node1's run record, the fact cache and the ledger all lost: status reports node1's torchrun
+    from the process that holds its output's lock, and stop ends it on node1 itself (its stop
+    reports it running before), not only through node0's collective."""
+    ctl = pair_controller(tmp_path)
+    try:
+        records = ctl.launch_by_host("process")
+        node1_record = tmp_path / "node1" / "runs" / "process" / "run.json"
+        node1_record.unlink()
+        shutil.rmtree(tmp_path / "state" / "facts")
+        (tmp_path / "state" / "runs.jsonl").unlink()
+
+        status = ctl.status_by_host()
+        for name in HOSTS:
+            assert status[name]["state"] == "running" and status[name]["pid"] == records[name]["pid"], status
+        assert json.loads(node1_record.read_text())["pid"] == records["node1"]["pid"], "record rebuilt"
+
+        node1_record.unlink()
+        shutil.rmtree(tmp_path / "state" / "facts")
+        stopped = ctl.stop_by_host()
+        for name in HOSTS:
+            assert stopped[name]["state_before"] == "running", stopped
+            assert not is_our_trainer(records[name]), f"{name}'s trainer still runs"
+        assert json.loads(node1_record.read_text())["state"] == "stopped"
     finally:
         cleanup(ctl, tmp_path)
