@@ -142,7 +142,7 @@ def test_output_holding_checkpoints_is_refused_before_a_start(state_dir: Path) -
     with pytest.raises(PlaybookFailed) as failure:
         ctl.launch("process")
     message = str(failure.value)
-    assert "already holds checkpoints (the last at step 5)" in message
+    assert "already holds checkpoints (the last at step 5 of " in message
     assert "-e resume=true" in message and "-e fresh=true" in message
     assert existing.read_bytes() == b"an earlier run's checkpoint", "the earlier run is left alone"
     assert ledger(state_dir) == []

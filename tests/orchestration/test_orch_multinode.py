@@ -129,7 +129,8 @@ def test_two_hosts_launch_status_stop_resume(tmp_path: Path) -> None:
         assert stopped["node1"]["checkpoint"].endswith(f"by rank 0 on {socket.gethostname()}: {checkpoint}")
         assert checkpoint.is_file()
         # Rank 0 alone writes the run's files; every host keeps its own run record (and output lock).
-        assert sorted(p.name for p in (tmp_path / "node1" / "runs" / "process").iterdir()) == ["run.json"]
+        node1_files = sorted(p.name for p in (tmp_path / "node1" / "runs" / "process").iterdir())
+        assert node1_files == [".run.json.reserve", "run.json"], "its record, and room for its last write"
         after = ctl.status_by_host()
         for name in HOSTS:
             assert after[name]["state"] == "exited" and after[name]["exit_status"] == 0, after[name]

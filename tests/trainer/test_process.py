@@ -270,15 +270,15 @@ def test_two_hosts_without_shared_storage_resume_from_rank_0(embedded, cache_dir
         f"checkpoint saved step {stopped} by rank 0 on {socket.gethostname()}: {lead_checkpoint}" in first[1]
     )
     assert f"stopped at step {stopped}" in first[1]
-    assert sorted(p.name for p in outs[1].iterdir()) == ["run.json"], (
-        "host 1 writes no train.log, metrics or checkpoints: only its own run record"
+    assert sorted(p.name for p in outs[1].iterdir()) == [".run.json.reserve", "run.json"], (
+        "host 1 writes no train.log, metrics or checkpoints: its run record (and room for its last write)"
     )
 
     second = run_both("--resume", signal_host=0, after=f"step {stopped + 1}/")
     assert f"resumed from {lead_checkpoint} at step {stopped}\n" in second[0]
     assert f"resumed from {lead_checkpoint} at step {stopped} (received from rank 0)" in second[1]
     assert progress(second[1]) == progress(second[0]), second
-    assert sorted(p.name for p in outs[1].iterdir()) == ["run.json"]
+    assert sorted(p.name for p in outs[1].iterdir()) == [".run.json.reserve", "run.json"]
     again = int(second[0].split("stopped at step ")[1].split()[0])
     assert again > stopped
 
