@@ -328,8 +328,9 @@ def test_sigterm_while_the_rendezvous_waits_ends_torchrun_at_once(tmp_path):
     assert code == 128 + signal.SIGTERM, log.read_text()
     assert took < 10, f"torchrun took {took:.0f}s to end after SIGTERM"
     assert "torchrun: SIGTERM while no rank runs (rendezvous or exit barrier): exiting" in log.read_text()
-    # Nothing ran: the output holds only the run record and the run's events, which say so.
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["events.jsonl", "run.json"]
+    # Nothing ran: the output holds only the run record (and its reserve) and the events, which say so.
+    listing = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert listing == [".run.json.reserve", "events.jsonl", "run.json"]
     from trainer.run.events import read_events
 
     assert [e["event"] for e in read_events(tmp_path / "out")] == ["start", "stop"]
