@@ -266,3 +266,40 @@ except DataError as exc:
     assert "cannot build the token store under" in result.stdout and "free space there" in result.stdout
     key = store_key("k", TinyChat())
     assert not (tmp_path / key).exists() and not list(tmp_path.glob(f".{key}.building.*"))
+
+
+def test_a_long_build_says_how_far_it_is_and_a_stop_keeps_nothing(tmp_path):
+    """Progress lines with an ETA while the store builds; a stop during the build ends it at the
+    next check (every 256 conversations) with nothing left on disk, and the next start builds it."""
+    from trainer.data.store import BuildStopped, BuildWatch, write_store
+
+    said = []
+    write_store(
+        tmp_path / "watched", examples(600), TinyChat(), "k", BuildWatch(said.append, total=600, every_s=0)
+    )
+    assert (
+        said and said[0].startswith("data: token store: 256/600 conversations, ") and "eta 0:00:" in said[0]
+    )
+
+    asked = []
+
+    def stop_on_the_second_check() -> bool:
+        asked.append(True)
+        return len(asked) >= 2
+
+    with pytest.raises(BuildStopped):
+        open_or_build(
+            tmp_path / "store",
+            "k",
+            TinyChat(),
+            lambda: examples(600),
+            log=str,
+            should_stop=stop_on_the_second_check,
+        )
+    assert len(asked) == 2 and [p.name for p in (tmp_path / "store").iterdir()] == [
+        f"{store_key('k', TinyChat())}.lock"
+    ]
+    assert (
+        open_or_build(tmp_path / "store", "k", TinyChat(), lambda: examples(600), log=str).conversations
+        == 600
+    )

@@ -16,6 +16,7 @@ or whose files do not match its checksum is rebuilt, never half read.
 
 from __future__ import annotations
 
+import datetime
 import fcntl
 import hashlib
 import json
@@ -81,7 +82,44 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def write_store(directory: Path, examples: Iterable[Example], chat: ChatFormat, source_key: str) -> dict:
+class BuildStopped(Exception):
+    """A stop came while the store was being built: nothing of it is kept."""
+
+
+@dataclass
+class BuildWatch:
+    """What a long build reports and obeys: a progress line every `every_s` seconds (with an ETA
+    when the number of conversations is known), and a stop checked between conversations."""
+
+    log: Callable[[str], None]
+    total: int | None = None
+    should_stop: Callable[[], bool] = lambda: False
+    every_s: float = 30.0
+
+    def __post_init__(self):
+        self.started = self.last = time.monotonic()
+
+    def tick(self, done: int, tokens: int) -> None:
+        if done % 256:
+            return
+        if self.should_stop():
+            raise BuildStopped
+        if time.monotonic() - self.last < self.every_s:
+            return
+        self.last = time.monotonic()
+        rate = done / max(self.last - self.started, 1e-9)
+        of = f"/{self.total:,}" if self.total else ""
+        eta = f", eta {datetime.timedelta(seconds=round((self.total - done) / rate))}" if self.total else ""
+        self.log(f"data: token store: {done:,}{of} conversations, {tokens:,} tokens, {rate:,.0f} conv/s{eta}")
+
+
+def write_store(
+    directory: Path,
+    examples: Iterable[Example],
+    chat: ChatFormat,
+    source_key: str,
+    watch: BuildWatch | None = None,
+) -> dict:
     """Stream `examples` into the arrays of a new store at `directory` (which must not exist);
     memory holds one conversation and the offsets (8 bytes per conversation)."""
     directory.mkdir(parents=True)
@@ -94,6 +132,8 @@ def write_store(directory: Path, examples: Iterable[Example], chat: ChatFormat, 
             mask.write(np.asarray(loss_mask, dtype=np.uint8).tobytes())
             offsets.append(offsets[-1] + len(ids))
             supervised += sum(loss_mask)
+            if watch is not None:
+                watch.tick(len(offsets) - 1, offsets[-1])
     np.asarray(offsets, dtype=np.int64).tofile(directory / "offsets.bin")
     if len(offsets) == 1:
         raise DataError("the data set has no conversation to train on")
@@ -155,11 +195,15 @@ def open_or_build(
     chat: ChatFormat,
     examples: Callable[[], Iterable[Example]],
     log: Callable[[str], None] = print,
+    total: int | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
 ) -> TokenStore:
     """The store of `source_key` under `root`: opened if complete and intact, else (re)built from
-    `examples()` first. One process of a host builds; the others wait on the lock, then open it."""
+    `examples()` first (`total` of them, when known: the progress lines give an ETA). One process
+    of a host builds; the others wait on the lock, then open it. A stop during the build
+    (should_stop, checked every few seconds) raises BuildStopped and leaves nothing behind."""
     try:
-        return _open_or_build(root, source_key, chat, examples, log)
+        return _open_or_build(root, source_key, chat, examples, BuildWatch(log, total, should_stop))
     except OSError as exc:  # unwritable, full disk, ...: nothing half-built is left behind
         raise DataError(
             f"cannot build the token store under {root} ({exc.strerror or exc}); free space there or "
@@ -167,7 +211,8 @@ def open_or_build(
         ) from None
 
 
-def _open_or_build(root, source_key, chat, examples, log) -> TokenStore:
+def _open_or_build(root, source_key, chat, examples, watch: BuildWatch) -> TokenStore:
+    log = watch.log
     root.mkdir(parents=True, exist_ok=True)
     key = store_key(source_key, chat)
     directory = root / key
@@ -184,7 +229,7 @@ def _open_or_build(root, source_key, chat, examples, log) -> TokenStore:
         started = time.monotonic()
         building = root / f".{key}.building.{os.getpid()}"
         try:
-            manifest = write_store(building, examples(), chat, source_key)
+            manifest = write_store(building, examples(), chat, source_key, watch)
             os.rename(building, directory)
             _fsync_file(root)
         except BaseException:

@@ -28,7 +28,7 @@ from ..config import Config
 from ..data.chat import ChatFormat, DataError
 from ..data.embedded import ensure_embedded
 from ..data.rows import Batch, Loader, build_train_set, valid_anchor_count
-from ..data.store import open_or_build
+from ..data.store import BuildStopped, open_or_build
 from ..model.drafter import target_layer_ids
 from ..model.evaluate import acceptance_length
 from ..model.target import load_target, load_tokenizer, num_target_layers
@@ -246,9 +246,15 @@ def load_data(cfg: Config, models: Models, place: Placement, out: Output, should
     chat, tokenizer, t = models.chat, models.tokenizer, cfg.train
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_id
     store_root = Path(cfg.data.cache_dir).expanduser() / "store"
+    total = len(train_examples) if hasattr(train_examples, "__len__") else None
     try:
-        store = open_or_build(store_root, source_key, chat, lambda: train_examples, out.line)
+        store = open_or_build(
+            store_root, source_key, chat, lambda: train_examples, out.line, total, should_stop
+        )
         train_set = build_train_set(store, t.seq_len, pad_id, t.packing, t.seed)
+    except BuildStopped:
+        out.line("data: stopped while building the token store (nothing of it kept)")
+        return None
     except DataError as exc:
         raise BadInput(f"{models.train_file}: {exc}") from None
     rows = "packed" if t.packing else "padded, one conversation each"
