@@ -48,7 +48,7 @@ run_tests() {
     ruff check .
     ansible-lint --profile production
     scripts/collection_sanity.sh
-    python -m pytest -q
+    python -m pytest -q --durations=25
     molecule test -s default
     # The real-host path (tests/testnode): root, LXC, debootstrap and sshd, which .ci/run installs.
     reason=$(python -c 'import sys; sys.path.insert(0, "tests/proxmox"); from realhost import missing_requirements as m; print(m() or "")')
