@@ -305,8 +305,8 @@ UNANSWERED = '{"messages": [{"role": "user", "content": "hi"}]}'
 @pytest.mark.parametrize(
     ("lines", "said"),
     [
-        ([ANSWERED, "{oops"], r"chat\.jsonl:2: not JSON .*; data\.train_file must hold one"),
-        ([UNANSWERED], r"chat\.jsonl: no conversation with an assistant turn; data\.train_file must"),
+        ([ANSWERED, "{oops"], r'chat\.jsonl:2: not JSON .*; every line must be one \{"messages": '),
+        ([UNANSWERED], r'chat\.jsonl: no conversation with an assistant turn; expected one \{"messages": '),
     ],
 )  # fmt: skip
 def test_bad_training_data_is_one_line_naming_the_file_and_exit_2(tmp_path, cache_dir, embedded, lines, said):

@@ -28,7 +28,10 @@ def iter_conversations(path: str | Path) -> Iterator[tuple[int, list[dict[str, s
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{number}: not JSON ({exc.msg})") from None
+                raise DataError(
+                    f'{path}:{number}: not JSON ({exc.msg}); every line must be one {{"messages": '
+                    '[{"role": ..., "content": ...}, ...]} object'
+                ) from None
             messages = record.get("messages") if isinstance(record, dict) else record
             if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
