@@ -2,7 +2,7 @@
 product runs it, side by side on one device, on a Qwen3-shaped target with random weights.
 
     python bench/regen_bench.py --shape 8b                      # one H200: 512 prompts x 256 new tokens
-    python bench/regen_bench.py --shape 8b --rows static,continuous --batch-size 256
+    python bench/regen_bench.py --shape 8b --rows static,continuous --batch-size 128,256
     python bench/regen_bench.py --shape 8b --rows static --profile   # where a static pass's time goes
     python bench/regen_bench.py --shape tiny                    # CPU: checks the harness only
 
@@ -13,8 +13,9 @@ Rows:
   continuous  transformers' continuous batching (`generate_batch`, paged attention) at its defaults:
               what trainer.data.regen runs with data.regen_engine=continuous
   static      `generate` with a static KV cache (compiled on CUDA) over length-sorted left-padded
-              batches of --batch-size, widths padded to --min-width x 2^k: data.regen_engine=static,
-              the product's default; timed twice (the first pass compiles every new shape)
+              batches of at most --batch-size (fewer for long prompts: --batch-tokens), widths padded to
+              --min-width x 2^k: data.regen_engine=static, the product's default; timed twice (the
+              first pass compiles every new shape), then the second pass's time per width
 Per row: generated tokens/s, conversations/s, peak device memory, and the memory-bound limit of the
 workload: sequences in flight x bandwidth / bytes read per decode step (the weights once, plus the
 KV cache of every sequence in flight at its mean length).
@@ -23,6 +24,7 @@ KV cache of every sequence in flight at its mean length).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import random
 import resource
@@ -35,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.trainer_bench import SHAPES, build_target
+from trainer.config import DataConfig
 from trainer.data.chat import Example, regenerate
 from trainer.data.regen import RegenSettings, continuous_generate, static_generate
 
@@ -119,6 +122,36 @@ def timed(name, device, run, prompts, limit, profile=False) -> None:
     )
 
 
+@contextlib.contextmanager
+def batch_times(target, device):
+    """Records (rows, width, seconds) of every `generate` call made inside the block."""
+    batches: list[tuple[int, int, float]] = []
+    plain = target.generate
+
+    def timed_generate(*args, **kwargs):
+        synchronize(device)
+        began = time.perf_counter()
+        output = plain(*args, **kwargs)
+        synchronize(device)
+        batches.append((*kwargs["input_ids"].shape, time.perf_counter() - began))
+        return output
+
+    target.generate = timed_generate
+    try:
+        yield batches
+    finally:
+        del target.generate
+
+
+def print_batches(batches) -> None:
+    """Per prompt width: batches, rows each, seconds in all: where a static pass spends its time."""
+    widths: dict[tuple[int, int], list[float]] = {}
+    for rows, width, seconds in batches:
+        widths.setdefault((width, rows), []).append(seconds)
+    for (width, rows), times in sorted(widths.items()):
+        print(f"    width {width:5d}: {len(times):3d} batches of {rows:4d} rows, {sum(times):7.1f} s")
+
+
 def today(target, prompts, new_tokens, device):
     examples = [Example([("user", p), ("assistant", [])]) for p in prompts]
     done = regenerate(examples, target, BenchChat(), new_tokens, 64, device)
@@ -137,7 +170,14 @@ def main() -> int:
     parser.add_argument(
         "--today-prompts", type=int, help="prompts for the slow row; default 16 (8b), 6 (tiny)"
     )
-    parser.add_argument("--batch-size", type=int, default=128, help="static: prompts per generate call")
+    parser.add_argument(
+        "--batch-size", default=str(DataConfig.regen_batch_size),
+        help="static: the most prompts per generate call; a comma list runs a static row for each",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batch-tokens", type=int, default=DataConfig.regen_batch_tokens,
+        help="static: rows x (width + new tokens) per batch at most (long prompts: smaller batches)",
+    )  # fmt: skip
     parser.add_argument("--min-width", type=int, default=64, help="static: widths padded to this x 2^k")
     parser.add_argument("--no-compile", action="store_true", help="static: no compiled decode step")
     parser.add_argument(
@@ -167,10 +207,15 @@ def main() -> int:
         f"{count} prompts, lengths median {lengths[len(lengths) // 2]} max {lengths[-1]}; "
         f"{new_tokens} new tokens each"
     )
-    settings = RegenSettings(
-        max_new_tokens=new_tokens, batch_size=args.batch_size, min_width=args.min_width,
-        compile=not args.no_compile,
-    )  # fmt: skip
+    batch_sizes = [int(size) for size in args.batch_size.split(",")]
+
+    def settings_for(batch_size: int) -> RegenSettings:
+        return RegenSettings(
+            max_new_tokens=new_tokens, batch_size=batch_size, batch_tokens=args.batch_tokens,
+            min_width=args.min_width, compile=not args.no_compile,
+        )  # fmt: skip
+
+    settings = settings_for(batch_sizes[0])
 
     def never() -> bool:
         return False
@@ -194,12 +239,22 @@ def main() -> int:
                 run = lambda: continuous_generate(target, prompts, settings, BenchChat(), PAD_ID, never)  # noqa: E731
                 timed("continuous (defaults)", device, run, prompts, limit, args.profile)
             elif row == "static":
-                in_flight = min(args.batch_size, len(prompts))
-                limit = memory_bound_tokens_per_s(target, prompts, new_tokens, in_flight, args.bandwidth_tbs)
-                run = lambda: static_generate(target, prompts, settings, BenchChat(), PAD_ID, never)  # noqa: E731
-                for attempt in (1, 2):  # the first pass compiles each new shape
-                    profile = args.profile and attempt == 2
-                    timed(f"static (product) pass {attempt}", device, run, prompts, limit, profile)
+                for batch_size in batch_sizes:
+                    static = settings_for(batch_size)
+                    in_flight = min(batch_size, len(prompts))
+                    limit = memory_bound_tokens_per_s(
+                        target, prompts, new_tokens, in_flight, args.bandwidth_tbs
+                    )
+
+                    def run(static=static):
+                        return static_generate(target, prompts, static, BenchChat(), PAD_ID, never)
+
+                    for attempt in (1, 2):  # the first pass compiles each new shape
+                        name = f"static B{batch_size} pass {attempt}"
+                        with batch_times(target, device) as batches:
+                            timed(name, device, run, prompts, limit, args.profile and attempt == 2)
+                        if attempt == 2:
+                            print_batches(batches)
             else:
                 parser.error(f"unknown row {row!r}; rows are today, continuous, static")
     return 0

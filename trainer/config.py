@@ -226,6 +226,9 @@ class ModelConfig:
         return []
 
 
+REGEN_ATTENTIONS = ("auto", "sdpa", "flex_attention", "eager")
+
+
 @dataclass
 class DataConfig:
     """Training conversations (JSONL chat format) and where built artefacts are cached."""
@@ -239,10 +242,14 @@ class DataConfig:
     """Replace assistant turns with the target's greedy answers (the drafter imitates the target)."""
     regen_max_new_tokens: int = 64
     """The longest answer the target may give per assistant turn (in tokens)."""
-    regen_batch_size: int = 128
-    """Prompts per `generate` call (static engine). At the Qwen3-8B shape on one H200, batch 128
-    of 128-token prompts decodes at ~9,400 tokens/s; the KV cache of a batch takes batch x (prompt
-    width + new tokens) x 144 KiB (36 layers x 8 KV heads x 128 x 2 x bf16): 43 GB at 2,304."""
+    regen_batch_size: int = 256
+    """The most prompts per `generate` call (static engine); fewer for long prompts, see
+    regen_batch_tokens."""
+    regen_batch_tokens: int = 131072
+    """Static engine: a batch's rows x (prompt width + new tokens) stays within this, rows a power of
+    two, so long prompts go in smaller batches: a decode step reads every row's whole static cache.
+    The KV cache takes this many tokens x 144 KiB at the Qwen3-8B shape (36 layers x 8 KV heads x
+    128 x 2 x bf16): 18 GiB at the default."""
     regen_engine: str = "static"
     """'static': `generate` with a static KV cache (compiled on CUDA) over length-sorted, left-padded
     batches; 'continuous': transformers' continuous batching (`generate_batch`, paged attention).
@@ -255,6 +262,11 @@ class DataConfig:
     regen_compile: bool = True
     """Static engine on CUDA: compile the decode step (transformers' own auto-compile). With several
     worker threads it is off: Dynamo is not thread safe (docs/ARCHITECTURE.md)."""
+    regen_attention: str = "auto"
+    """Static engine: the attention the target decodes with ('auto', 'sdpa', 'flex_attention',
+    'eager'). 'auto' is flex attention when compiled on CUDA (it reads the grouped-query KV cache
+    once a step; transformers' sdpa path copies it four times when a batch is padded: 2.1x the
+    tokens/s on an H200, docs/PERFORMANCE.md), the target's own (sdpa) otherwise."""
     regen_progress_every_s: float = 30.0
     """Seconds between progress lines (conversations and tokens done, tokens/s, ETA)."""
 
@@ -262,9 +274,12 @@ class DataConfig:
         out = []
         if self.regen_max_new_tokens < 1:
             out.append(f"data.regen_max_new_tokens must be at least 1, got {self.regen_max_new_tokens}")
-        for name in ("regen_batch_size", "regen_shard_size", "regen_min_width"):
+        for name in ("regen_batch_size", "regen_batch_tokens", "regen_shard_size", "regen_min_width"):
             if getattr(self, name) < 1:
                 out.append(f"data.{name} must be at least 1, got {getattr(self, name)}")
+        if self.regen_attention not in REGEN_ATTENTIONS:
+            names = ", ".join(REGEN_ATTENTIONS)
+            out.append(f"data.regen_attention must be one of {names}, got {self.regen_attention!r}")
         if self.regen_engine not in ("static", "continuous"):
             out.append(f"data.regen_engine must be 'static' or 'continuous', got {self.regen_engine!r}")
         if not self.regen_progress_every_s > 0:

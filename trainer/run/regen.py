@@ -66,8 +66,8 @@ def settings_of(cfg: Config, workers_here: int) -> RegenSettings:
     d = cfg.data
     return RegenSettings(
         max_new_tokens=d.regen_max_new_tokens, engine=d.regen_engine, shard_size=d.regen_shard_size,
-        batch_size=d.regen_batch_size, min_width=d.regen_min_width,
-        compile=d.regen_compile and workers_here == 1, dtype=cfg.model.dtype,
+        batch_size=d.regen_batch_size, batch_tokens=d.regen_batch_tokens, min_width=d.regen_min_width,
+        compile=d.regen_compile and workers_here == 1, attention=d.regen_attention, dtype=cfg.model.dtype,
     )  # fmt: skip
 
 

@@ -1,0 +1,100 @@
+"""The static engine's batching and its decoding attention: every prompt in exactly one batch
+within the KV budget, few compiled shapes for a long-tailed data set, and a chosen decoding
+attention giving plain greedy `generate`'s answers in float32 (flex attention on CUDA)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.trainer.test_regen import NEW_TOKENS, settings
+from trainer.data.chat import ChatFormat
+from trainer.data.regen import compiled_rows, rows_per_batch, static_batches, static_generate
+from trainer.model.target import load_target, load_tokenizer
+
+pytestmark = pytest.mark.unit
+
+
+def long_tailed_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[7] * max(1, min(4000, int(rng.lognormvariate(4.8, 0.9)))) for _ in range(count)]
+
+
+def test_every_prompt_is_in_one_batch_within_the_kv_budget_and_few_shapes_compile():
+    prompts = long_tailed_prompts(20_000)
+    budget = settings(batch_size=256, batch_tokens=131_072, min_width=64, max_new_tokens=256)
+    seen, shapes = [], set()
+    for width, chunk in static_batches(prompts, budget):
+        assert all(len(prompts[i]) <= width for i in chunk)
+        rows = rows_per_batch(width, budget)
+        assert len(chunk) <= rows <= budget.batch_size
+        assert rows == 1 or rows * (width + budget.max_new_tokens) <= budget.batch_tokens
+        filled = compiled_rows(len(chunk), width, budget)
+        assert filled & (filled - 1) == 0 and len(chunk) <= filled <= rows
+        shapes.add((filled, width))
+        seen += chunk
+    assert sorted(seen) == list(range(len(prompts)))
+    widths = {width for _, width in shapes}
+    assert widths == {64, 128, 256, 512, 1024, 2048, 4096}
+    assert len(shapes) <= 2 * len(widths)  # a full batch and a last one per width at most
+
+
+def decode(target, chat, pad_id, prompts, attention=None):
+    seen = []
+    generate = target.generate
+
+    def recording_generate(**kwargs):
+        seen.append(target.config._attn_implementation)
+        return generate(**kwargs)
+
+    target.generate = recording_generate
+    try:
+        changes = {"attention": attention} if attention else {}
+        answers = static_generate(
+            target, prompts, settings(batch_size=4, **changes), chat, pad_id, lambda: False
+        )
+    finally:
+        del target.generate
+    return answers, seen
+
+
+def check_attention_gives_plain_answers(target, chat, pad_id, attention):
+    prompts = [[chat.end_id + 5] * 6, list(range(100, 130)), list(range(200, 211))]
+    plain, _ = decode(target, chat, pad_id, prompts)
+    own = target.config._attn_implementation
+    answers, seen = decode(target, chat, pad_id, prompts, attention)
+    assert seen and set(seen) == {attention}
+    assert target.config._attn_implementation == own
+    assert answers == plain and all(len(answer) <= NEW_TOKENS for answer in answers)
+    with torch.no_grad():
+        reference = target.generate(
+            input_ids=torch.tensor([prompts[1]], device=target.device), max_new_tokens=NEW_TOKENS,
+            do_sample=False, eos_token_id=chat.end_id, pad_token_id=chat.end_id,
+        )[0, len(prompts[1]) :].tolist()  # fmt: skip
+    assert answers[1] == (
+        reference[: reference.index(chat.end_id)] if chat.end_id in reference else reference
+    )
+
+
+def test_a_chosen_attention_decodes_and_the_target_keeps_its_own_after(embedded):
+    """On CPU with eager attention (flex attention's CPU code generation fails to compile some of
+    these shapes in this torch): the mechanism, and the same answers as plain greedy `generate`."""
+    target_path, _ = embedded
+    tokenizer = load_tokenizer(target_path)
+    target = load_target(target_path, "cpu", "float32")
+    check_attention_gives_plain_answers(target, ChatFormat(tokenizer), tokenizer.pad_token_id, "eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="flex attention's decode is checked on CUDA; no GPU here"
+)
+def test_flex_attention_decodes_plain_greedys_answers_in_float32_on_cuda(embedded):
+    target_path, _ = embedded
+    tokenizer = load_tokenizer(target_path)
+    target = load_target(target_path, "cuda", "float32")
+    check_attention_gives_plain_answers(
+        target, ChatFormat(tokenizer), tokenizer.pad_token_id, "flex_attention"
+    )
