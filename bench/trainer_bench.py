@@ -11,11 +11,14 @@
 
 Length mixes (`--lengths`, default full): `full` is every row one conversation of seq_len tokens,
 all supervised (the figures measured before packing existed); `chat` is a long-tailed mix, run
-twice, `chat-padded` (one conversation per row) and `chat-packed` (the trainer's own best-fit
-packing, position ids restarting per conversation): conversation lengths lognormal with a median
-of a quarter of seq_len (sigma 1), capped at seq_len, at least 8 tokens; the last 60 % of each
-conversation's tokens supervised (the answer). After the table a line gives, for each packed row,
-the time of one epoch of the chat mix against the padded one at the same anchor blocks per
+three times: `chat-padded` (one conversation per row), `chat-packed` (the trainer's own best-fit
+packing, position ids restarting per conversation; the shape's anchors a row, shared by the row's
+conversations) and `chat-packed-per-conversation` (the same rows with the shape's anchors times the
+mean conversations per packed row, so each conversation gets about as many anchor blocks as it
+would padded: `drafter.num_anchors` set to that for the row); conversation lengths lognormal with
+a median of a quarter of seq_len (sigma 1), capped at seq_len, at least 8 tokens; the last 60 % of
+each conversation's tokens supervised (the answer). After the table a line gives, for each packed
+row, the time of one epoch of the chat mix against the padded one at the same anchor blocks per
 conversation (valid anchor blocks per second, padded over packed; the goal is at most 0.7x).
 
 Per setting it prints tokens/s (real tokens: a conversation's, not padding, through the target and
@@ -128,6 +131,7 @@ SETTINGS = {
     "nographs-before": ("nographs", ["compile.target=off"], ("all_layers", "foreach")),
 }
 DEFAULT_SETTINGS = ("eager", "nographs", "max-autotune-no-cudagraphs")
+CHAT_MIXES = ("chat-padded", "chat-packed", "chat-packed-per-conversation")
 PROCESS_PROFILES = ("process", "graphs")  # run profiles whose run.topology is process
 
 
@@ -216,7 +220,7 @@ def setting_config(name: str, shape: Shape, devices: list[torch.device], args):
         f"train.batch_size={shape.batch}",
         f"train.seq_len={shape.seq_len}",
         # As the trainer: position ids reach the target only for packed rows.
-        f"train.packing={str(getattr(args, 'mix', 'full') == 'chat-packed').lower()}",
+        f"train.packing={str(getattr(args, 'mix', 'full').startswith('chat-packed')).lower()}",
         f"train.steps={args.steps + args.warmup + 10}",
         f"drafter.num_layers={shape.drafter_layers}",
         f"drafter.num_context_layers={shape.context_layers}",
@@ -229,6 +233,17 @@ def setting_config(name: str, shape: Shape, devices: list[torch.device], args):
     if args.attention:
         sets.append(f"drafter.attention={args.attention}")
     return load_config(profile, sets=sets + args.sets)
+
+
+def mix_shape(mix: str, shape: Shape) -> Shape:
+    """chat-packed-per-conversation: packed rows with as many anchor slots as the row's
+    conversations would have padded (the shape's anchors times the mean conversations per packed
+    row, a multiple of 8), so a conversation gets about as many blocks packed as padded."""
+    if mix != "chat-packed-per-conversation":
+        return shape
+    pieces, row_offsets = pack(chat_lengths(shape, 4096, seed=1), shape.seq_len, seed=1)
+    per_row = len(pieces) / (len(row_offsets) - 1)
+    return dataclasses.replace(shape, anchors=max(8, round(shape.anchors * per_row / 8) * 8))
 
 
 def chat_lengths(shape: Shape, count: int, seed: int) -> np.ndarray:
@@ -249,7 +264,7 @@ class Batches:
         self.mix, self.shape, self.global_batch = mix, shape, global_batch
         self.generator = torch.Generator().manual_seed(1)
         self.lengths = chat_lengths(shape, 64 * global_batch + 4096, seed=1)
-        if mix == "chat-packed":
+        if mix.startswith("chat-packed"):
             self.pieces, self.row_offsets = pack(self.lengths, shape.seq_len, seed=1)
         else:
             self.pieces, self.row_offsets = np.arange(len(self.lengths)), np.arange(len(self.lengths) + 1)
@@ -273,7 +288,7 @@ class Batches:
                 mask[slot, filled + int(length * 0.4) : filled + length] = 1
                 positions[slot, filled : filled + length] = torch.arange(length)
                 filled += length
-            if self.mix == "chat-packed":
+            if self.mix.startswith("chat-packed"):
                 positions[slot, filled:] = torch.arange(t - filled)
         return ids, mask, positions
 
@@ -331,6 +346,7 @@ def measure(name, shape, topology, devices, global_batch, started, log, args, ou
     return {
         "setting": name if batch.mix == "full" else f"{name} {batch.mix}",
         "mix": batch.mix,
+        "anchors": shape.anchors,
         "gpus": gpus,
         "step_s": step_s,
         "tokens_per_s": real_tokens / step_s,
@@ -468,7 +484,7 @@ def profile_steps(topology, batch, devices, trace_path: Path) -> None:
 
 def format_row(r: dict) -> str:
     return (
-        f"{r['setting']:28} {r['gpus']:>4} {r['step_s']:>8.3f} {r['tokens_per_s']:>9.0f} "
+        f"{r['setting']:40} {r['gpus']:>4} {r['step_s']:>8.3f} {r['tokens_per_s']:>9.0f} "
         f"{r['samples_per_s']:>9.2f} {r['tflops']:>8.1f} {r['mfu']:>6.1%} {r['useful_mfu']:>6.1%} "
         f"{r['of_790']:>6.1%} {r['padding_share']:>5.0%} {r['valid_anchor_share']:>7.0%} "
         f"{r['peak_gib']:>8.1f} {r['first_step_s']:>10.1f}"
@@ -482,11 +498,12 @@ def print_lengths(rows: list[dict]) -> None:
     padded = {(r["setting"].rsplit(" ", 1)[0], r["gpus"]): r for r in rows if r["mix"] == "chat-padded"}
     for r in rows:
         base = padded.get((r["setting"].rsplit(" ", 1)[0], r["gpus"]))
-        if r["mix"] == "chat-packed" and base:
+        if r["mix"].startswith("chat-packed") and base:
             ratio = base["valid_blocks_per_s"] / r["valid_blocks_per_s"]
             print(
-                f"{r['setting']}: one epoch of the chat mix takes {ratio:.2f}x the padded one at the same "
-                f"anchor blocks per conversation (goal: at most 0.7x); real tok/s {r['tokens_per_s']:.0f} "
+                f"{r['setting']} ({r['anchors']} anchors a row): an epoch of the chat mix takes {ratio:.2f}x "
+                f"the padded one at the same anchor blocks per conversation (goal: at most 0.7x); real tok/s "
+                f"{r['tokens_per_s']:.0f} "
                 f"vs {base['tokens_per_s']:.0f}; useful MFU {r['useful_mfu']:.1%} vs {base['useful_mfu']:.1%}"
             )
 
@@ -541,7 +558,7 @@ def main() -> int:
     out_dir = Path(os.environ.get("OUT", ".")).resolve()
     if args.worker:
         args.gpus = gpu_counts[0]
-        return worker(args.worker, shape, args, out_dir, Path(args.worker_row))
+        return worker(args.worker, mix_shape(args.mix, shape), args, out_dir, Path(args.worker_row))
 
     print(f"shape {args.shape}: {shape}", flush=True)
     print(f"torch {torch.__version__}, {torch.cuda.device_count()} CUDA device(s)", flush=True)
@@ -554,9 +571,9 @@ def main() -> int:
 
     mixes = []
     for mix in (m.strip() for m in args.lengths.split(",") if m.strip()):
-        if mix not in ("full", "chat", "chat-padded", "chat-packed"):
+        if mix not in ("full", "chat", *CHAT_MIXES):
             parser.error(f"--lengths takes full and chat, got {mix!r}")
-        mixes += ["chat-padded", "chat-packed"] if mix == "chat" else [mix]
+        mixes += list(CHAT_MIXES) if mix == "chat" else [mix]
     rows = []
     for gpus, name, args.mix in ((g, n, m) for g in gpu_counts for n in settings for m in mixes):
         if args.mix:  # every row
@@ -566,16 +583,17 @@ def main() -> int:
             if args.cold:
                 rows.append(run_isolated(name, gpus, args, out_dir))
             elif SETTINGS[name][0] in PROCESS_PROFILES:
-                rows.append(run_process(name, shape, gpus, args, out_dir, os.environ))
+                rows.append(run_process(name, mix_shape(args.mix, shape), gpus, args, out_dir, os.environ))
             else:
                 devices = devices_for(gpus)
-                rows.append(run_threaded(name, shape, devices, targets[: len(devices)], args, out_dir))
+                row_shape = mix_shape(args.mix, shape)
+                rows.append(run_threaded(name, row_shape, devices, targets[: len(devices)], args, out_dir))
             print("  " + format_row(rows[-1]), flush=True)
             if args.json:  # after every row: a run cut short keeps the rows it finished
                 Path(args.json).write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1))
 
     header = (
-        f"{'setting':28} {'gpus':>4} {'step s':>8} {'tok/s':>9} {'samples/s':>9} {'TFLOP/s':>8} "
+        f"{'setting':40} {'gpus':>4} {'step s':>8} {'tok/s':>9} {'samples/s':>9} {'TFLOP/s':>8} "
         f"{'MFU':>6} {'useful':>6} {'of 790':>6} {'pad':>5} {'anchors':>7} {'peak GiB':>8} {'1st step s':>10}"
     )
     print("\n" + header)

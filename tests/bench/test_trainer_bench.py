@@ -59,4 +59,9 @@ def test_chat_lengths_run_padded_and_packed_side_by_side(tmp_path: Path) -> None
     assert packed["padding_share"] < 0.1 < padded["padding_share"]
     assert packed["valid_anchor_share"] >= padded["valid_anchor_share"]
     assert 0 < packed["useful_mfu"] <= packed["mfu"] and 0 < padded["useful_mfu"] < padded["mfu"]
-    assert "eager chat-packed: one epoch of the chat mix takes " in result.stdout
+    per_conversation = rows["chat-packed-per-conversation"]
+    assert per_conversation["anchors"] > packed["anchors"] == padded["anchors"]
+    assert per_conversation["padding_share"] == packed["padding_share"]
+    epoch_line = f"eager chat-packed ({packed['anchors']} anchors a row): an epoch of the chat mix takes "
+    assert epoch_line in result.stdout
+    assert "eager chat-packed-per-conversation (" in result.stdout
