@@ -45,8 +45,9 @@ BUSY = gpu_state(
 IDLE = gpu_state(0, 0)
 
 
-# A run of the tiny embedded model that trains until it is stopped: one step a second or so.
-ENDLESS_TINY_RUN = [
+# The tiny embedded model on CPU: no compile, no regeneration, progress every step, no evaluation
+# after step 0. Tests add the checkpoints and the steps they need.
+TINY_RUN = [
     "compile.mode=none",
     "data.regenerate=false",
     "train.batch_size=1",
@@ -54,9 +55,9 @@ ENDLESS_TINY_RUN = [
     "train.eval_max_new_tokens=2",
     "train.log_every=1",
     "train.eval_every=0",
-    "train.checkpoint_every=0",
-    "train.steps=100000",
 ]
+# A tiny run that trains until it is stopped.
+ENDLESS_TINY_RUN = [*TINY_RUN, "train.checkpoint_every=0", "train.steps=100000"]
 
 
 @pytest.fixture(scope="session", autouse=True)
