@@ -23,10 +23,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # Module scope: the worker that ran these tests may go on with others, which must see neither the
 # node nor the environment it set (restored when the module ends).
 @pytest.fixture(scope="module")
-def node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealHostNode]:
-    dist = request.config.getoption("dist", "no")
-    if os.environ.get("PYTEST_XDIST_WORKER") and dist not in ("loadfile", "loadscope"):
-        pytest.fail(f"the test node's tests share one node in file order: use --dist loadfile, not {dist}")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealHostNode]:
     why = missing_requirements()
     if why:
         if os.environ.get("DFLASH_REQUIRE_TESTNODE"):  # CI installs the node's needs: never skip there
