@@ -48,7 +48,10 @@ run_tests() {
     ruff check .
     ansible-lint --profile production
     scripts/collection_sanity.sh
-    python -m pytest -q --durations=25
+    # Parallel pytest processes (pytest-xdist), a test file each at a time: its tests in order in one
+    # worker, the real-host file (one test node) included. Files in collection order (the real-host
+    # file first, the unit tests last), not xdist's most-tests-first. docs/TESTING.md, Parallel runs.
+    python -m pytest -q --durations=25 -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder
     molecule test -s default
     # The real-host path (tests/testnode): root, LXC, debootstrap and sshd, which .ci/run installs.
     reason=$(python -c 'import sys; sys.path.insert(0, "tests/proxmox"); from realhost import missing_requirements as m; print(m() or "")')

@@ -19,3 +19,11 @@ from ansible.plugins.loader import init_plugin_loader
 
 COLLECTIONS = Path(__file__).resolve().parents[1] / "collections"
 init_plugin_loader([str(COLLECTIONS)])
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """The real-host tests (tests/proxmox: one file, one test node, about six minutes in file order)
+    first: under pytest-xdist (`--dist loadfile`, ./dev.sh test) that file is the longest piece one
+    worker takes, and started first it ends while the other workers still share out the rest."""
+    real_host = Path(__file__).resolve().parent / "proxmox"
+    items.sort(key=lambda item: real_host not in item.path.resolve().parents)

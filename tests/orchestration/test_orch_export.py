@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_controller, stop_leftovers
+from conftest import is_our_trainer, make_controller, stop_leftovers
 from safetensors.torch import load_file
 
 from dflashctl import PlaybookFailed
@@ -32,11 +32,13 @@ def test_export_of_the_recorded_run_then_by_name_with_the_state_lost(state_dir: 
     ctl = make_controller(state_dir, workspace_trainer_set=SHORT_RUN)
     try:
         record = ctl.launch("eager")
+        # The target is this machine: wait for the recorded trainer to end, then ask status once.
         deadline = time.monotonic() + 600
-        while ctl.status()["state"] == "running":
+        while is_our_trainer(record):
             assert time.monotonic() < deadline, "the short run did not finish in 600 s"
-            time.sleep(2)
-        assert ctl.status()["exit_status"] == 0
+            time.sleep(0.2)
+        status = ctl.status()
+        assert status["state"] == "exited" and status["exit_status"] == 0, status
 
         exported = ctl.export()
         dest = state_dir / "exports" / record["run_id"] / "step_20"

@@ -19,7 +19,10 @@ from conftest import REPO, ledger, make_controller, stop_leftovers
 from dflashctl import PlaybookFailed
 
 SECRET = "made-up-t0ken"
+# Tiny CPU runs without torch.compile (what these tests look at is the same compiled or not; the
+# compiled launch through the playbooks is test_orch_flow.py's test_launch_status_stop).
 TINY = [
+    "compile.mode=none",
     "train.log_every=2",
     "train.eval_prompts=4",
     "train.eval_max_new_tokens=8",

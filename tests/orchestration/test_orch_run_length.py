@@ -9,21 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_controller, stop_leftovers
+from conftest import TINY_RUN, make_controller, stop_leftovers
 
 from dflashctl import PlaybookFailed
 
-# A tiny CPU run: no compile, no regeneration, progress every step, a checkpoint every other step.
-TINY = [
-    "compile.mode=none",
-    "data.regenerate=false",
-    "train.batch_size=1",
-    "train.eval_prompts=1",
-    "train.eval_max_new_tokens=2",
-    "train.log_every=1",
-    "train.eval_every=0",
-    "train.checkpoint_every=2",
-]
+# The tiny CPU run with a checkpoint every other step.
+TINY = [*TINY_RUN, "train.checkpoint_every=2"]
 LONG = 100000  # far more than the profile's steps: the run never finishes in the test
 
 

@@ -17,21 +17,20 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, is_our_trainer, ledger, make_controller, stop_leftovers
+from conftest import (
+    ENDLESS_TINY_RUN,
+    REPO,
+    TINY_RUN,
+    is_our_trainer,
+    ledger,
+    make_controller,
+    stop_leftovers,
+)
 
 from dflashctl import PlaybookFailed
 
-# A tiny CPU run that keeps training until stopped: no compile, no regeneration, progress every step.
-TINY = [
-    "compile.mode=none",
-    "data.regenerate=false",
-    "train.batch_size=1",
-    "train.eval_prompts=1",
-    "train.eval_max_new_tokens=2",
-    "train.log_every=1",
-    "train.eval_every=0",
-]
-FOREVER = [*TINY, "train.checkpoint_every=0", "train.steps=100000"]
+TINY = TINY_RUN
+FOREVER = ENDLESS_TINY_RUN  # keeps training until stopped
 
 
 def out_of(state_dir: Path, run: str = "nographs") -> Path:

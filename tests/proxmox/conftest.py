@@ -1,4 +1,7 @@
-"""The test node for tests/proxmox: one per session, always stopped (also when a test fails)."""
+"""The test node for tests/proxmox: one for the module that uses it, always stopped (also when a test
+fails). The node is machine state (its LXC containers, /run paths) and its tests run in file order:
+under pytest-xdist they need `--dist loadfile` (what ./dev.sh test uses), which gives the whole
+file to one worker."""
 
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "proxmox: the real-host path against the test node (root, LXC, sshd)")
 
 
-@pytest.fixture(scope="session")
+# Module scope: the worker that ran these tests may go on with others, which must see neither the
+# node nor the environment it set (restored when the module ends).
+@pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealHostNode]:
     why = missing_requirements()
     if why:
