@@ -41,7 +41,8 @@ setup() {
 run_fast() {
     ruff check .
     ansible-lint --profile production
-    python -m pytest -q -m unit
+    # Two processes (pytest-xdist): on the 2-core machine 50 s against 81 s one after the other.
+    python -m pytest -q -m unit -n 2
 }
 
 run_tests() {
