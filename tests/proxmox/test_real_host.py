@@ -128,7 +128,10 @@ def test_busy_gpu_makes_launch_fail_naming_it(node: RealHostNode) -> None:
 
 
 def test_launch_status_stop_through_pct(node: RealHostNode, record_property) -> None:
-    launch = node.play("launch.yml", extravars={"run": "nographs"})
+    # Steps enough that the run is still training when stop comes, however slow the playbooks
+    # through pct are beside other work (the default's 150 steps can finish first).
+    endless = {"run": "nographs", "workspace_trainer_set": ["train.steps=100000"]}
+    launch = node.play("launch.yml", extravars=endless)
     assert launch.ok, launch.stdout[-5000:]
     record_property("seconds launch nographs through pct_remote", round(launch.seconds, 1))
     ledger = (node.work_dir / "state" / "runs.jsonl").read_text().splitlines()
