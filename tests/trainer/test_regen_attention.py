@@ -11,7 +11,7 @@ import torch
 
 from tests.trainer.test_regen import NEW_TOKENS, settings
 from trainer.data.chat import ChatFormat
-from trainer.data.regen import compiled_rows, rows_per_batch, static_batches, static_generate
+from trainer.data.regen import compiled_rows, rows_per_batch, static_batches, static_generate, widths_for
 from trainer.model.target import load_target, load_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -39,6 +39,18 @@ def test_every_prompt_is_in_one_batch_within_the_kv_budget_and_few_shapes_compil
     widths = {width for _, width in shapes}
     assert widths == {64, 128, 256, 512, 1024, 2048, 4096}
     assert len(shapes) <= 2 * len(widths)  # a full batch and a last one per width at most
+
+
+def test_flex_attention_prefills_at_least_128_tokens_and_other_attentions_any_width():
+    prompts = long_tailed_prompts(2_000)
+    narrow = settings(batch_size=256, batch_tokens=131_072, min_width=64, max_new_tokens=256)
+    flex_widths = {width for width, _ in static_batches(prompts, widths_for(narrow, "flex_attention"))}
+    assert min(flex_widths) == 128
+    for attention in (None, "sdpa", "eager"):
+        assert widths_for(narrow, attention) == narrow
+        assert min(width for width, _ in static_batches(prompts, widths_for(narrow, attention))) == 64
+    wide = settings(min_width=256)
+    assert widths_for(wide, "flex_attention") == wide
 
 
 def decode(target, chat, pad_id, prompts, attention=None):

@@ -19,6 +19,7 @@ Both are greedy; in float32 both give plain `generate`'s answers token for token
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -42,6 +43,7 @@ HASH_CHUNK = 1 << 20
 # Each (rows, width) shape compiles the decode step once: a few per bucketed width, a dozen widths
 # at most, more than Dynamo's default limit of 8 (past it, it runs eagerly).
 RECOMPILE_LIMIT = 64
+FLEX_MIN_WIDTH = 128
 
 
 @dataclass
@@ -276,8 +278,19 @@ def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> lis
         # would recompile the decode step for dynamic shapes instead.
         compile_config=CompileConfig(dynamic=False),
     )  # fmt: skip
-    with attention_of(target, decode_attention(settings, compiled)):
+    attention = decode_attention(settings, compiled)
+    settings = widths_for(settings, attention)
+    with attention_of(target, attention):
         return generate_batches(target, prompts, settings, config, pad_id, chat.end_id, should_stop, compiled)
+
+
+def widths_for(settings: RegenSettings, attention: str | None) -> RegenSettings:
+    """The settings whose min_width this attention can prefill. Flex attention takes its decoding
+    kernel for fewer than 128 query tokens, and Inductor finds no kernel for such a prefill
+    (NoValidChoicesError: 64-token prompts, one H200, torch 2.11): there widths start at 128."""
+    if attention == "flex_attention" and settings.min_width < FLEX_MIN_WIDTH:
+        return dataclasses.replace(settings, min_width=FLEX_MIN_WIDTH)
+    return settings
 
 
 def generate_batches(target, prompts, settings, config, pad_id, end_id, should_stop, compiled):
