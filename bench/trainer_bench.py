@@ -129,6 +129,8 @@ SETTINGS = {
     "nographs-all-layers": ("nographs", [], ("all_layers",)),
     "nographs-foreach": ("nographs", [], ("foreach",)),
     "nographs-before": ("nographs", ["compile.target=off"], ("all_layers", "foreach")),
+    # The compiled target with SDPA over transformers' explicit mask instead of flex attention.
+    "nographs-target-sdpa": ("nographs", ["compile.target_attention=sdpa"]),
 }
 DEFAULT_SETTINGS = ("eager", "nographs", "max-autotune-no-cudagraphs")
 CHAT_MIXES = ("chat-padded", "chat-packed", "chat-packed-per-conversation")
@@ -381,6 +383,9 @@ def run_threaded(name, shape, devices, targets, args, out_dir) -> dict:
     torch.manual_seed(0)
     replicas: list[Replica] = []
     for rank, (device, target) in enumerate(zip(devices, targets, strict=True)):
+        # The targets are shared by every row; a row whose target attention is flex switches them
+        # (Replica.compile), so each row starts from the attention the target was built with.
+        target.set_attn_implementation("sdpa")
         first = replicas[0] if replicas else None
         with bench_patches(name):
             replicas.append(Replica(cfg, device, target, layer_ids, shape.vocab - 1, rank, copy_of=first))

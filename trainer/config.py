@@ -103,9 +103,23 @@ class CompileConfig:
     models run there, and eager keeps the CPU's arithmetic as it was. Measured on one H200 at the
     Qwen3-8B shape: 102 ms eager against 89 ms compiled per 3,072-token forward."""
 
+    target_attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """The attention of the compiled target forward. Traced by torch.compile, transformers hands
+    SDPA an explicit mask (causal, or one conversation at a time in packed rows), which keeps it
+    off its causal kernels: every tile of the score matrix is computed, the masked ones too. flex
+    (flex_attention with a block mask) skips them. auto: flex when the target is compiled on CUDA;
+    sdpa (the target's own) otherwise. Measured on one H200 at the Qwen3-8B shape: 0.234 s a step
+    with sdpa, 0.224 with flex (3,072-token rows); packed rows 0.231 and 0.219."""
+
     def compiles_target(self, device_type: str) -> bool:
         wanted = self.target == "on" or (self.target == "auto" and device_type == "cuda")
         return self.mode != "none" and wanted
+
+    def target_attention_of(self, device_type: str) -> str:
+        """The attention the target's feature forward runs with on this device type."""
+        if self.target_attention != "auto":
+            return self.target_attention
+        return "flex" if self.compiles_target(device_type) and device_type == "cuda" else "sdpa"
 
     @property
     def uses_cudagraphs(self) -> bool:

@@ -266,3 +266,16 @@ def test_out_with_checkpoints_needs_resume(tmp_path, capsys):
     assert main(["--run", "eager", "--out", str(tmp_path / "out")]) == 2
     assert "pass --resume" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_the_compiled_target_attends_with_flex_on_cuda_only_unless_told():
+    cfg = load_config("nographs")
+    assert cfg.compile.target_attention == "auto"
+    assert cfg.compile.target_attention_of("cuda") == "flex"
+    assert cfg.compile.target_attention_of("cpu") == "sdpa"  # not compiled there (compile.target)
+    off = load_config("nographs", sets=["compile.target=off"])
+    assert off.compile.target_attention_of("cuda") == "sdpa"  # an eager target keeps its own
+    told = load_config("nographs", sets=["compile.target_attention=sdpa"])
+    assert told.compile.target_attention_of("cuda") == "sdpa"
+    with pytest.raises(ConfigError, match="target_attention"):
+        load_config("nographs", sets=["compile.target_attention=dense"])

@@ -95,3 +95,25 @@ def test_regional_compile_does_not_recompile_across_steps():
         graphs_after.append(counters["stats"]["unique_graphs"])
     assert graphs_after[0] > 0
     assert graphs_after[2] == graphs_after[0], f"recompiled: unique graphs per step {graphs_after}"
+
+
+def test_compiled_target_features_with_flex_equal_sdpa_in_packed_rows():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trainer.model.target import FeatureReader
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, attn_implementation="sdpa",
+    )  # fmt: skip
+    target = Qwen3ForCausalLM(config).cuda().eval()
+    ids = torch.randint(0, 512, (2, 256), device="cuda")
+    # Row 0 one conversation; row 1 three packed ones (positions restart at 0).
+    positions = torch.stack([torch.arange(256), torch.cat([torch.arange(n) for n in (100, 60, 96)])]).cuda()
+    with torch.no_grad():
+        expected = FeatureReader(target, [1, 2])(ids, positions)
+        target.set_attn_implementation("flex_attention")
+        compiled = torch.compile(FeatureReader(target, [1, 2]), dynamic=False)
+        features = compiled(ids, positions)
+    assert torch.allclose(features, expected, atol=1e-4, rtol=1e-4), (features - expected).abs().max()

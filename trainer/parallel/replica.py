@@ -150,6 +150,9 @@ class Replica:
         if c.mode == "none":
             return
         settings = {"dynamic": c.dynamic, "fullgraph": c.fullgraph, "options": c.inductor_options()}
+        if self.cfg.compile.target_attention_of(self.device.type) == "flex":
+            # The whole target: its evaluation forward reads the same layers.
+            self.target.set_attn_implementation("flex_attention")
         if c.compiles_target(self.device.type):
             target_options = {**settings["options"], "triton.cudagraphs": False}
             self.read_features = torch.compile(self.features, dynamic=c.dynamic, options=target_options)
