@@ -272,7 +272,8 @@ class DataConfig:
     """Conversations per shard file: the unit of resuming and of sharing work among devices."""
     regen_min_width: int = 64
     """Static engine: a batch's prompt width is padded up to this times a power of two (64, 128, 256,
-    ...), so only a few shapes compile; a batch that is not full is filled up when compiled."""
+    ...), so only a few shapes compile; a batch that is not full is filled up when compiled. With
+    flex attention widths start at 128 at least (a shorter prefill has no flex kernel on CUDA)."""
     regen_compile: bool = True
     """Static engine on CUDA: compile the decode step (transformers' own auto-compile). With several
     worker threads it is off: Dynamo is not thread safe (docs/ARCHITECTURE.md)."""
