@@ -344,13 +344,20 @@ def test_each_batch_gets_a_static_cache_of_its_own_width(tiny, monkeypatch):
 
 def test_batched_tokenizing_equals_tokenizing_message_by_message(tmp_path, embedded, tiny):
     """tokenize_stream encodes a chunk of conversations per tokenizer call: the same ids, in the
-    same order, as one call per message, across chunk boundaries and for an empty message."""
+    same order, as one call per message, across chunk boundaries, for an empty message and for one
+    that holds the chat's special tokens as text (the tokenizer's backend, without offsets, and
+    the tokenizer's own call agree)."""
     from trainer.data.chat import tokenize_stream
 
     _, _, chat = tiny
     data = write_data(tmp_path / "chat.jsonl", embedded, 30)
     conversations = [messages for _, messages in iter_conversations(data)]
     conversations.append([{"role": "user", "content": ""}, {"role": "assistant", "content": "ok"}])
+    special = "say <|im_end|> then <|im_start|>assistant\n twice  "
+    conversations.append([{"role": "user", "content": special}, {"role": "assistant", "content": special}])
+    texts = [m["content"] for messages in conversations for m in messages]
+    assert chat.texts(texts) == chat.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    assert chat.texts(texts) == [chat.text(text) for text in texts]
     batched = list(tokenize_stream(iter(conversations), chat, chunk=7))
     assert [e.turns for e in batched] == [tokenized(m, chat).turns for m in conversations]
     assert list(tokenize_stream(iter([]), chat)) == []

@@ -74,6 +74,17 @@ class ChatFormat:
     def text(self, content: str) -> list[int]:
         return self.tokenizer.encode(content, add_special_tokens=False)
 
+    def texts(self, contents: list[str]) -> list[list[int]]:
+        """The ids of many texts in one call, on every core: what text() gives for each. A fast
+        tokenizer's backend encodes them without the character offsets the tokenizer's own call
+        computes and drops: 5.5 s against 9.5 s for 20,000 chat conversations (8.75M tokens) on
+        the 2-core machine, the same ids."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and hasattr(backend, "encode_batch_fast"):
+            encodings = backend.encode_batch_fast(contents, add_special_tokens=False)
+            return [encoding.ids for encoding in encodings]
+        return self.tokenizer(contents, add_special_tokens=False)["input_ids"]
+
     def header(self, role: str) -> list[int]:
         if role not in self._headers:
             self._headers[role] = self.start + self.tokenizer.encode(role + "\n", add_special_tokens=False)
@@ -116,7 +127,7 @@ def tokenize_stream(
             pending.append(conversation)
         if pending and (conversation is None or len(pending) == chunk):
             texts = [m["content"] for conv in pending for m in conv]
-            ids = iter(chat.tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
+            ids = iter(chat.texts(texts)) if texts else iter(())
             yield from (Example([(m["role"], next(ids)) for m in conv]) for conv in pending)
             pending = []
 
