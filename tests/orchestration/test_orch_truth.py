@@ -87,34 +87,37 @@ def wait_for(predicate, timeout: float = 300, what: str = "condition") -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["missing", "corrupt", "not_a_directory"])
 def test_status_stop_and_relaunch_see_the_trainer_whatever_the_fact_cache(
-    state_dir: Path, cleanup: list, damage: str
+    state_dir: Path, cleanup: list
 ) -> None:
+    """One live trainer; the fact cache deleted, corrupt, then not a directory (each time with the
+    ledger lost too): status finds the trainer and repairs both, a relaunch is refused naming it;
+    then stop ends it (status has repaired the cache by then, whatever the damage was)."""
     ctl = make_controller(state_dir, workspace_trainer_set=FOREVER)
     cleanup.append(ctl)
     record = ctl.launch("nographs")
     pid = record["pid"]
     facts = state_dir / "facts"
-    shutil.rmtree(facts)
-    (state_dir / "runs.jsonl").unlink()
-    if damage == "corrupt":
-        facts.mkdir()
-        (facts / "s1_ct200").write_text('{"trainer_run": {"pid": ')  # the file ansible-core 2.19 reads
-    elif damage == "not_a_directory":
-        facts.write_text("a file where the fact cache should be\n")
+    for damage in ("missing", "corrupt", "not_a_directory"):
+        shutil.rmtree(facts)
+        (state_dir / "runs.jsonl").unlink()
+        if damage == "corrupt":
+            facts.mkdir()
+            (facts / "s1_ct200").write_text('{"trainer_run": {"pid": ')  # the file ansible-core 2.19 reads
+        elif damage == "not_a_directory":
+            facts.write_text("a file where the fact cache should be\n")
 
-    status = ctl.status()
-    assert status["state"] == "running" and status["pid"] == pid
-    assert status["last_progress"].startswith("step ")
-    assert "cache and ledger repaired" in status["repaired"], "the repair is said in one line"
-    assert [line["run_id"] for line in ledger(state_dir)] == [record["run_id"]], "the ledger is repaired"
+        status = ctl.status()
+        assert status["state"] == "running" and status["pid"] == pid, damage
+        assert status["last_progress"].startswith("step "), damage
+        assert "cache and ledger repaired" in status["repaired"], f"{damage}: the repair is said in one line"
+        assert [line["run_id"] for line in ledger(state_dir)] == [record["run_id"]], f"{damage}: the ledger"
 
-    # A relaunch, also with resume, is refused naming the live trainer: never a second one.
-    for extra in ({}, {"resume": True}):
-        with pytest.raises(PlaybookFailed, match=f"as PID {pid} "):
-            ctl.launch("nographs", **extra)
-    assert trainers_on(out_of(state_dir)) == [pid]
+        # A relaunch, also with resume, is refused naming the live trainer: never a second one.
+        for extra in ({}, {"resume": True}):
+            with pytest.raises(PlaybookFailed, match=f"as PID {pid} "):
+                ctl.launch("nographs", **extra)
+        assert trainers_on(out_of(state_dir)) == [pid], damage
 
     stopped = ctl.stop()
     assert stopped["state_before"] == "running"
