@@ -376,30 +376,3 @@ def test_dev_sh_passes_ansible_playbook_options_on(tmp_path: Path) -> None:
     )
     assert status.returncode == 0, status.stdout + status.stderr
     assert "no run recorded" in status.stdout
-
-
-@pytest.mark.slow
-def test_pair_status_and_stop_find_both_hosts_without_the_fact_cache(tmp_path: Path) -> None:
-    """Two hosts (inventory like inventory/pair): the fact cache lost, every host's trainer is still
-    found, a relaunch is refused on each, and stop ends both."""
-    from test_orch_multinode import HOSTS, cleanup, pair_controller
-
-    ctl = pair_controller(tmp_path)
-    try:
-        records = ctl.launch_by_host("process")
-        shutil.rmtree(tmp_path / "state" / "facts")
-        status = ctl.status_by_host()
-        for name in HOSTS:
-            assert status[name]["state"] == "running" and status[name]["pid"] == records[name]["pid"]
-            assert "cache and ledger repaired" in status[name]["repaired"]
-        with pytest.raises(PlaybookFailed) as again:
-            ctl.launch_by_host("process", resume=True)
-        assert any(f"as PID {records[name]['pid']} " in str(again.value) for name in HOSTS)
-        stopped = ctl.stop_by_host()
-        for name in HOSTS:
-            assert stopped[name]["state_before"] == "running", stopped
-            assert not is_our_trainer(records[name])
-        states = {line["run_id"]: line["state"] for line in ledger(tmp_path / "state")}
-        assert [states[records[name]["run_id"]] for name in HOSTS] == ["stopped", "stopped"]
-    finally:
-        cleanup(ctl, tmp_path)
