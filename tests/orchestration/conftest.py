@@ -60,37 +60,108 @@ TINY_RUN = [
 ENDLESS_TINY_RUN = [*TINY_RUN, "train.checkpoint_every=0", "train.steps=100000"]
 
 
+# Autogroup nice levels of an endless trainer (see endless_trainers_yield_the_cpu): while it starts,
+# once it trains, and once it has been told to stop.
+STARTING_NICE, TRAINING_NICE, STOPPING_NICE = 5, 19, 0
+STOP_SIGNALS = (1 << (15 - 1)) | (1 << (2 - 1))  # SIGTERM, SIGINT in /proc/PID/status masks
+
+
+class EndlessTrainerGroup:
+    """One autogroup (a session: a supervisor and its trainer, a torchrun, a rank) of endless
+    trainer processes: its log (their stdout, as the starter opened it), how far it was read, and
+    whether it trains or stops."""
+
+    def __init__(self, proc: Path):
+        try:
+            self.log: Path | None = Path(os.readlink(proc / "fd" / "1"))
+        except OSError:
+            self.log = None
+        self.offset = 0
+        self.tail = b""
+        self.training = False
+        self.stopping = False
+
+    def read(self) -> None:
+        """Follow the log: a progress line means it trains, the trainer's stop line that it stops."""
+        if self.log is None or self.stopping:
+            return
+        try:
+            with self.log.open("rb") as log:
+                log.seek(self.offset)
+                chunk = log.read()
+        except OSError:
+            return  # not a file (a pipe, /dev/null) or gone: it stays at the starting level
+        self.offset += len(chunk)
+        text = self.tail + chunk
+        self.tail = text[-64:]
+        self.training = self.training or text.startswith(b"step ") or b"\nstep " in text
+        self.stopping = b"checkpointing and exiting" in text
+
+    def nice(self, signalled: bool) -> int:
+        self.stopping = self.stopping or signalled
+        if self.stopping:
+            return STOPPING_NICE
+        return TRAINING_NICE if self.training else STARTING_NICE
+
+
+def stop_signal_pending(proc: Path) -> bool:
+    """A stop signal not yet delivered: the process has not run since it came."""
+    for line in proc.joinpath("status").read_text().splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & STOP_SIGNALS:
+            return True
+    return False
+
+
 @pytest.fixture(scope="session", autouse=True)
 def endless_trainers_yield_the_cpu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A trainer this session started that trains until it is stopped (train.steps=100000) only has to
     be alive and make progress; every step beyond that is CPU the playbooks checking it, and other
-    tests, wait for. The trainer is detached into its own session, which Linux schedules as an
-    autogroup of its own with the weight of everything else together: give that autogroup nice 5
-    (a quarter of the weight), so its spare steps come from idle CPU. Nothing a test checks depends
-    on how fast a trainer steps; a finite run keeps its priority."""
+    tests, wait for (in a run of three orchestration files in three workers the endless trainers
+    took a quarter of all CPU time at nice 5). The trainer is detached into its own session, which
+    Linux schedules as an autogroup of its own with the weight of everything else together, so the
+    autogroup's nice sets its share: nice 5 (a third of a normal weight) while it starts, so the
+    launch waiting for its first progress line is not held up long; nice 19 (1.5 % of a normal
+    weight) once its log shows progress, so its further steps come from idle CPU; nice 0 as soon as
+    a stop signal is pending or its log says it checkpoints and exits, so a stop takes no longer
+    than at full priority. Nothing a test checks depends on how fast a trainer steps; a finite run
+    keeps its priority."""
     root = str(tmp_path_factory.getbasetemp()).encode()
     stop = threading.Event()
+    groups: dict[str, EndlessTrainerGroup] = {}
 
-    def lower() -> None:
+    def adjust() -> None:
+        members: dict[str, list[Path]] = {}
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                parts = proc.joinpath("cmdline").read_bytes().split(b"\0")
+                if (
+                    b"trainer" in parts
+                    and any(root in part for part in parts)
+                    and any(part.endswith(b"steps=100000") for part in parts)
+                ):
+                    members.setdefault(proc.joinpath("autogroup").read_text().split()[0], []).append(proc)
+            except (OSError, IndexError):
+                continue  # gone meanwhile, or no autogroup scheduling here
+        for name in set(groups) - set(members):
+            del groups[name]
+        for name, procs in members.items():
+            group = groups.setdefault(name, EndlessTrainerGroup(procs[0]))
+            try:
+                group.read()
+                wanted = group.nice(any(stop_signal_pending(proc) for proc in procs))
+                autogroup = procs[0].joinpath("autogroup")
+                if int(autogroup.read_text().split()[-1]) != wanted:
+                    autogroup.write_text(str(wanted))
+            except (OSError, IndexError, ValueError):
+                continue
+
+    def watch() -> None:
         while not stop.wait(0.5):
-            for proc in Path("/proc").iterdir():
-                if not proc.name.isdigit():
-                    continue
-                try:
-                    parts = proc.joinpath("cmdline").read_bytes().split(b"\0")
-                    if not (
-                        b"trainer" in parts
-                        and any(root in part for part in parts)
-                        and any(part.endswith(b"steps=100000") for part in parts)
-                    ):
-                        continue
-                    autogroup = proc.joinpath("autogroup")
-                    if autogroup.read_text().split()[-1] == "0":
-                        autogroup.write_text("5")
-                except (OSError, IndexError):
-                    continue  # gone meanwhile, or no autogroup scheduling here
+            adjust()
 
-    thread = threading.Thread(target=lower, name="endless-trainers-yield", daemon=True)
+    thread = threading.Thread(target=watch, name="endless-trainers-yield", daemon=True)
     thread.start()
     yield
     stop.set()

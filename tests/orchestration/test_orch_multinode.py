@@ -267,12 +267,23 @@ def test_trainer_dying_on_one_host_stops_the_other(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_host_whose_record_is_lost_is_found_by_its_lock_and_stopped_by_its_own_stop(tmp_path: Path) -> None:
-    """node1's run record, the fact cache and the ledger all lost: status reports node1's torchrun
-    from the process that holds its output's lock, and stop ends it on node1 itself (its stop
-    reports it running before), not only through node0's collective."""
+    """First the fact cache alone lost: every host's trainer is still found (cache and ledger
+    repaired) and a relaunch is refused naming it. Then node1's run record, the fact cache and the
+    ledger all lost: status reports node1's torchrun from the process that holds its output's
+    lock, and stop ends it on node1 itself (its stop reports it running before), not only through
+    node0's collective, and the ledger says both runs stopped."""
     ctl = pair_controller(tmp_path)
     try:
         records = ctl.launch_by_host("process")
+        shutil.rmtree(tmp_path / "state" / "facts")
+        status = ctl.status_by_host()
+        for name in HOSTS:
+            assert status[name]["state"] == "running" and status[name]["pid"] == records[name]["pid"]
+            assert "cache and ledger repaired" in status[name]["repaired"]
+        with pytest.raises(PlaybookFailed) as again:
+            ctl.launch_by_host("process", resume=True)
+        assert any(f"as PID {records[name]['pid']} " in str(again.value) for name in HOSTS)
+
         node1_record = tmp_path / "node1" / "runs" / "process" / "run.json"
         node1_record.unlink()
         shutil.rmtree(tmp_path / "state" / "facts")
@@ -290,5 +301,7 @@ def test_a_host_whose_record_is_lost_is_found_by_its_lock_and_stopped_by_its_own
             assert stopped[name]["state_before"] == "running", stopped
             assert not is_our_trainer(records[name]), f"{name}'s trainer still runs"
         assert json.loads(node1_record.read_text())["state"] == "stopped"
+        states = {line["run_id"]: line["state"] for line in ledger(tmp_path / "state")}
+        assert [states[records[name]["run_id"]] for name in HOSTS] == ["stopped", "stopped"]
     finally:
         cleanup(ctl, tmp_path)

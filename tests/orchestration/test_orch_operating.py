@@ -19,10 +19,13 @@ from conftest import REPO, ledger, make_controller, stop_leftovers
 from dflashctl import PlaybookFailed
 
 SECRET = "made-up-t0ken"
-# Tiny CPU runs without torch.compile (what these tests look at is the same compiled or not; the
-# compiled launch through the playbooks is test_orch_flow.py's test_launch_status_stop).
+# Tiny CPU runs without torch.compile and without regenerating the data through the target (what
+# these tests look at is the same either way; the compiled launch of the default, data stage
+# included, is test_orch_flow.py's test_launch_status_stop, and the data stage through the
+# playbooks test_orch_regen.py's).
 TINY = [
     "compile.mode=none",
+    "data.regenerate=false",
     "train.log_every=2",
     "train.eval_prompts=4",
     "train.eval_max_new_tokens=8",
