@@ -150,7 +150,7 @@ class Replica:
         if c.mode == "none":
             return
         settings = {"dynamic": c.dynamic, "fullgraph": c.fullgraph, "options": c.inductor_options()}
-        if self.cfg.compile.target_attention_of(self.device.type) == "flex":
+        if c.target_attention_of(self.device.type) == "flex":
             # The whole target: its evaluation forward reads the same layers.
             self.target.set_attn_implementation("flex_attention")
         if c.compiles_target(self.device.type):
