@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -160,7 +161,12 @@ def test_interrupted_launch_leaves_a_trainer_that_status_and_stop_find(
     state_dir: Path, cleanup: list
 ) -> None:
     """Ctrl-C to ansible-playbook the moment the trainer starts: no fact, no ledger line, yet the
-    trainer is found, a relaunch is refused naming it, and stop ends it."""
+    trainer is found, a relaunch is refused naming it, and stop ends it.
+
+    ansible-core ends on the first Ctrl-C within a second nearly always; once in a CI run it did not
+    within a minute (a race inside ansible's own interrupt handling). Its handler restores the
+    default action on the first SIGINT, so a second one ends it, as pressing Ctrl-C again does; the
+    run's truth must hold either way, and the playbook's output and process tree are reported."""
     ctl = make_controller(state_dir, workspace_trainer_set=FOREVER)
     cleanup.append(ctl)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -173,18 +179,32 @@ def test_interrupted_launch_leaves_a_trainer_that_status_and_stop_find(
     extravars = json.dumps(
         {"run": "nographs", "dflash_state_dir": str(state_dir), "workspace_trainer_set": FOREVER}
     )
-    playbook = subprocess.Popen(
-        ["ansible-playbook", str(REPO / "playbooks" / "launch.yml"), "-e", extravars],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    output = state_dir.parent / "launch-playbook.log"
+    with output.open("wb") as sink:
+        playbook = subprocess.Popen(
+            ["ansible-playbook", str(REPO / "playbooks" / "launch.yml"), "-e", extravars],
+            cwd=REPO,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         wait_for(lambda: (out_of(state_dir) / "run.json").exists(), what="the run record")
         os.killpg(playbook.pid, signal.SIGINT)  # what Ctrl-C in its terminal does
-        playbook.wait(timeout=60)
+        try:
+            playbook.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            tree = subprocess.run(
+                ["ps", "-o", "pid,ppid,stat,etime,args", "-s", str(playbook.pid)],
+                capture_output=True,
+                text=True,
+            ).stdout
+            tail = output.read_text(errors="replace")[-2000:]
+            note = f"ansible-playbook outlived the first Ctrl-C by 60 s:\n{tree}\n{tail}"
+            warnings.warn(note, stacklevel=1)
+            os.killpg(playbook.pid, signal.SIGINT)  # Ctrl-C again
+            playbook.wait(timeout=60)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(playbook.pid, signal.SIGKILL)
