@@ -54,14 +54,18 @@ run_fast() {
 run_lint_and_sanity() {
     logs=$(mktemp -d)
     trap 'rm -rf "$logs"' EXIT
-    ansible-lint --profile production >"$logs/lint" 2>&1 &
+    # Each in a process group of its own (setsid: its PID is the group's), which an interrupt ends
+    # whole: a script's background jobs ignore Ctrl-C, and ansible-test's children would outlive it.
+    setsid ansible-lint --profile production >"$logs/lint" 2>&1 &
     lint=$!
-    scripts/collection_sanity.sh >"$logs/sanity" 2>&1 &
+    setsid scripts/collection_sanity.sh >"$logs/sanity" 2>&1 &
     sanity=$!
+    trap 'kill -TERM "-$lint" "-$sanity" 2>/dev/null || true; exit 130' INT TERM
     lint_rc=0
     wait "$lint" || lint_rc=$?
     sanity_rc=0
     wait "$sanity" || sanity_rc=$?
+    trap - INT TERM
     cat "$logs/lint" "$logs/sanity"
     if [ "$lint_rc" -ne 0 ] || [ "$sanity_rc" -ne 0 ]; then
         echo "error: ansible-lint exited $lint_rc, the collection's sanity run $sanity_rc" >&2
