@@ -245,7 +245,12 @@ def test_trainer_dying_on_one_host_stops_the_other(tmp_path: Path) -> None:
             },
         },
         host_vars={
-            "node1": {"workspace_trainer_set": [*ENDLESS_TINY_RUN, "data.train_file=/nonexistent/chat.jsonl"]}
+            "node1": {
+                "workspace_trainer_set": [*ENDLESS_TINY_RUN, "data.train_file=/nonexistent/chat.jsonl"],
+                # node1's wait ends when its trainer exits, however long a loaded machine takes to get
+                # there (over 30 s once in CI, which then read as "alive, no progress").
+                "run_wait_timeout": 600,
+            }
         },
     )
     try:
