@@ -131,16 +131,34 @@ SETTINGS = {
     "nographs-before": ("nographs", ["compile.target=off"], ("all_layers", "foreach")),
     # The compiled target with SDPA over transformers' explicit mask instead of flex attention.
     "nographs-target-sdpa": ("nographs", ["compile.target_attention=sdpa"]),
+    # The loss as it was before 2026-12-02: float32 logits and their gradient stored per chunk.
+    "nographs-stored-logits": ("nographs", [], ("stored_logits",)),
 }
 DEFAULT_SETTINGS = ("eager", "nographs", "max-autotune-no-cudagraphs")
 CHAT_MIXES = ("chat-padded", "chat-packed", "chat-packed-per-conversation")
 PROCESS_PROFILES = ("process", "graphs")  # run profiles whose run.topology is process
 
 
+def stored_logits_loss(hidden, head_weight, labels, weights):
+    """The loss chunk before 2026-12-02 (drafter.loss_and_grad_of_chunk): compiled, its float32 logits
+    and their gradient are written out and read back (the scatter needs a stored tensor)."""
+    accumulate = torch.promote_types(head_weight.dtype, torch.float32)
+    weight = weights.to(accumulate) * (labels != -100)
+    target = labels.clamp(min=0)
+    logits = (hidden.to(head_weight.dtype) @ head_weight.t()).to(accumulate)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, target[:, None]).squeeze(1)
+    loss = ((log_norm - picked) * weight).sum()
+    grad_logits = torch.exp(logits - log_norm[:, None]) * weight[:, None]
+    grad_logits = grad_logits.scatter_add(1, target[:, None], -weight[:, None])
+    return loss, (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
+
+
 def bench_patches(name: str) -> contextlib.ExitStack:
     """The code changes a setting measures without them (third element of its SETTINGS entry)."""
     from unittest import mock
 
+    import trainer.model.drafter
     import trainer.model.target
 
     target_module, adamw = trainer.model.target, torch.optim.AdamW
@@ -158,6 +176,10 @@ def bench_patches(name: str) -> contextlib.ExitStack:
             stack.enter_context(mock.patch.object(target_module, "layers_up_to", whole_target))
         elif patch == "foreach":  # AdamW's multi-tensor update instead of the fused kernel
             stack.enter_context(mock.patch.object(torch.optim, "AdamW", foreach_adamw))
+        elif patch == "stored_logits":
+            stack.enter_context(
+                mock.patch.object(trainer.model.drafter, "loss_and_grad_of_chunk", stored_logits_loss)
+            )
     return stack
 
 
@@ -475,7 +497,7 @@ def profile_steps(topology, batch, devices, trace_path: Path) -> None:
             topology.step(*batch())
         synchronize(devices)
     sort = "cuda_time_total" if devices[0].type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70), flush=True)
+    print(prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70), flush=True)
     try:
         prof.export_chrome_trace(str(trace_path))
         if devices[0].type == "cuda":

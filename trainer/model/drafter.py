@@ -289,12 +289,18 @@ def loss_and_grad_of_chunk(hidden, head_weight, labels, weights):
     accumulate = torch.promote_types(head_weight.dtype, torch.float32)  # float32 at least
     weight = weights.to(accumulate) * (labels != -100)
     target = labels.clamp(min=0)
-    logits = (hidden.to(head_weight.dtype) @ head_weight.t()).to(accumulate)
-    log_norm = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(1, target[:, None]).squeeze(1)
+    # Written so that compiled, no float32 logits or gradient of them is ever stored (each would be
+    # 1.2 GB a chunk of 2048 at a 151936-token vocabulary, written and read back): the logits stay
+    # in the head's dtype (bf16 on GPUs), each reader widens them itself, and the label's -w is
+    # subtracted where it falls rather than scattered into a stored gradient (the same arithmetic).
+    logits = hidden.to(head_weight.dtype) @ head_weight.t()
+    wide = logits.to(accumulate)
+    log_norm = torch.logsumexp(wide, dim=-1)
+    picked = logits.gather(1, target[:, None]).squeeze(1).to(accumulate)
     loss = ((log_norm - picked) * weight).sum()
-    grad_logits = torch.exp(logits - log_norm[:, None]) * weight[:, None]
-    grad_logits = grad_logits.scatter_add(1, target[:, None], -weight[:, None])
+    grad_logits = torch.exp(wide - log_norm[:, None]) * weight[:, None]
+    is_label = torch.arange(logits.shape[1], device=logits.device)[None, :] == target[:, None]
+    grad_logits = torch.where(is_label, grad_logits - weight[:, None], grad_logits)
     grad = (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
     return loss, grad
 
