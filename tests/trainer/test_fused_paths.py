@@ -1,5 +1,7 @@
 """The fast paths against the plain ones: the chunked frozen-head loss and flex_attention's mask."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,3 +89,71 @@ def test_fused_adamw_clips_through_its_grad_scale_as_clip_grad_norm_does(max_nor
 
     for fused, reference in zip(updated(True), updated(False), strict=True):
         torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_norm", [0.002, 1e9])
+def test_one_workers_update_divides_by_the_weight_sum_within_the_fused_adamw(max_norm):
+    """One worker hands the update the gradient of the loss sum and its weight: a fused AdamW
+    divides by the weight within its grad_scale, an unfused one after a pass over the gradients;
+    both give the update (and the norm) of gradients divided first, clipped, then AdamW. AdamW's
+    eps is as large as the divided gradients, so that an update off by the weight would show (the
+    update is nearly blind to a gradient's scale otherwise)."""
+    from trainer.parallel.replica import Replica
+
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(shape, generator=generator) for shape in [(7, 5), (5,), (3, 7)]]
+    grads = [torch.randn(p.shape, generator=generator) * 0.04 for p in start]
+    weight_sum = 37.0
+
+    def updated(fused: bool, divided_first: bool) -> tuple[list[torch.Tensor], list[float]]:
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        optimizer = torch.optim.AdamW(params, lr=0.1, betas=(0.9, 0.95), eps=1e-3, fused=fused)
+        replica = SimpleNamespace(
+            cfg=SimpleNamespace(train=SimpleNamespace(grad_clip=max_norm)), params=params, shard=None,
+            optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+            grad_buffer=None,
+        )  # fmt: skip
+        norms = []
+        for step in range(3):
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad * (step + 1) / (weight_sum if divided_first else 1.0)
+            weight = None if divided_first else weight_sum
+            norms.append(float(Replica.apply_update(replica, weight_sum=weight)))
+        return [p.detach() for p in params], norms
+
+    reference, reference_norms = updated(fused=False, divided_first=True)
+    for fused in (True, False):
+        params, norms = updated(fused=fused, divided_first=False)
+        for param, expected in zip(params, reference, strict=True):
+            torch.testing.assert_close(param, expected, rtol=1e-5, atol=1e-6)
+        assert norms == pytest.approx(reference_norms, rel=1e-6)
+    assert reference_norms[0] > 0.002  # large enough for max_norm 0.002 to clip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_loss_chunk_subtracts_the_labels_weight_as_a_scatter_would_to_the_bit(dtype):
+    """The chunk's gradient subtracts -w where the label falls instead of scattering it into a
+    stored gradient: the same IEEE operations, so the same bits, in the head's dtype or float32."""
+    from trainer.model.drafter import loss_and_grad_of_chunk
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, 32, generator=generator).to(dtype)
+    head = torch.randn(1000, 32, generator=generator).to(dtype)
+    labels = torch.randint(0, 1000, (64,), generator=generator)
+    labels[3] = IGNORE
+    weights = torch.rand(64, generator=generator)
+
+    accumulate = torch.promote_types(dtype, torch.float32)
+    weight = weights.to(accumulate) * (labels != IGNORE)
+    target = labels.clamp(min=0)
+    logits = (hidden @ head.t()).to(accumulate)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    loss = ((log_norm - logits.gather(1, target[:, None]).squeeze(1)) * weight).sum()
+    scattered = (torch.exp(logits - log_norm[:, None]) * weight[:, None]).scatter_add(
+        1, target[:, None], -weight[:, None]
+    )
+    grad = (scattered.to(dtype) @ head).to(dtype)
+
+    chunk_loss, chunk_grad = loss_and_grad_of_chunk(hidden, head, labels, weights)
+    assert torch.equal(chunk_loss, loss)
+    assert torch.equal(chunk_grad, grad)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer.parallel.exchange import GradientExchange, plan_buckets
-from trainer.parallel.topology import scale_gradients
+from trainer.parallel.replica import scale_gradients
 
 pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 
@@ -144,7 +144,7 @@ def test_a_missing_worker_times_out_instead_of_hanging():
 def test_single_replica_is_scaled():
     param = torch.nn.Parameter(torch.zeros(2, 2))
     param.grad = torch.ones(2, 2) * 4
-    scale_gradients(SimpleNamespace(params=[param]), total_weight=2.0)
+    scale_gradients([param], 1 / 2.0)
     assert torch.equal(param.grad, torch.full((2, 2), 2.0))
 
 

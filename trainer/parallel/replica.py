@@ -57,14 +57,25 @@ def lr_lambda(total_steps: int, warmup_frac: float):
     return factor
 
 
-def clip_gradients(optimizer: torch.optim.Optimizer, params, norm: torch.Tensor, max_norm: float) -> None:
-    """Scale the gradients by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ does. A fused
-    AdamW takes the factor as its grad_scale (it divides each gradient by it as it reads it), which
-    saves a pass over every gradient: ~2 ms a step for the 1B parameters of a Qwen3-8B drafter."""
+def clip_gradients(
+    optimizer: torch.optim.Optimizer, params, norm: torch.Tensor, max_norm: float, divisor: float = 1.0
+) -> None:
+    """Scale the gradients by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ does; `norm` is
+    that of the gradients divided by `divisor`, which a fused update divides them by too. A fused
+    AdamW takes the whole factor as its grad_scale (it divides each gradient by it as it reads it),
+    which saves a pass over every gradient for each: ~2 ms a step each for the 1B parameters of a
+    Qwen3-8B drafter. Unfused, the gradients must already be divided (divisor 1)."""
     if optimizer.defaults.get("fused"):
-        optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+        optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0) * divisor
     else:
+        assert divisor == 1.0, "an unfused update takes gradients already divided"
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+
+
+def scale_gradients(params: list[torch.nn.Parameter], scale: float) -> None:
+    for param in params:
+        if param.grad is not None:
+            param.grad.mul_(scale)
 
 
 def resolve_attention(choice: str, device: torch.device, compile_mode: str) -> str:
@@ -150,7 +161,7 @@ class Replica:
         if c.mode == "none":
             return
         settings = {"dynamic": c.dynamic, "fullgraph": c.fullgraph, "options": c.inductor_options()}
-        if c.target_attention_of(self.device.type) == "flex":
+        if c.target_attention_of(self.device.type, self.cfg.train.seq_len) == "flex":
             # The whole target: its evaluation forward reads the same layers.
             self.target.set_attn_implementation("flex_attention")
         if c.compiles_target(self.device.type):
@@ -223,7 +234,9 @@ class Replica:
             torch.compiler.cudagraph_mark_step_begin()
         with self._autocast():
             loss_sum = self.forward(
-                features.to(self.drafter.fc.weight.dtype),
+                # Under autocast the drafter's fc reads them in its dtype: a float32 copy first would
+                # be written, then read to be cast back (the same values, two passes on the device).
+                features.to(self.autocast_dtype or self.drafter.fc.weight.dtype),
                 blocks.block_ids,
                 blocks.block_positions,
                 blocks.anchors,
@@ -235,16 +248,27 @@ class Replica:
         (loss_sum * scale if scale != 1.0 else loss_sum).backward()
         return StepResult(loss_sum.detach(), weight_sum, input_ids.numel())
 
-    def apply_update(self) -> torch.Tensor:
+    def apply_update(self, weight_sum: float | None = None) -> torch.Tensor:
         """Clip, step the optimizer and the schedule, clear gradients. Returns the gradient norm as
         a tensor: reading it waits for the device, so the caller reads it only when it needs it.
-        Sharded: the norm is the global one, and the update is shared with the other replicas."""
+        Sharded: the norm is the global one, and the update is shared with the other replicas.
+
+        weight_sum: the gradients are still those of the loss sum (one worker, nothing exchanged)
+        and the update is that of the sum divided by it: within a fused AdamW's grad_scale, else
+        by a pass over the gradients first."""
         max_norm = self.cfg.train.grad_clip or float("inf")
+        divisor = 1.0 if weight_sum is None else max(weight_sum, 1e-12)
+        if divisor != 1.0 and not self.optimizer.defaults.get("fused"):
+            scale_gradients(self.params, 1.0 / divisor)
+            divisor = 1.0
         if self.shard is None:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         else:
             norm = self.shard.global_norm()
-        clip_gradients(self.optimizer, self.shard.params if self.shard else self.params, norm, max_norm)
+        if divisor != 1.0:
+            norm = norm / divisor
+        params = self.shard.params if self.shard else self.params
+        clip_gradients(self.optimizer, params, norm, max_norm, divisor)
         self.optimizer.step()
         self.scheduler.step()
         if self.grad_buffer is not None:

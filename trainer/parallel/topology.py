@@ -37,14 +37,6 @@ class WorkerFailed(Exception):
         self.trace = trace
 
 
-def scale_gradients(replica: Replica, total_weight: float) -> None:
-    """One worker: its gradient becomes gradient / total_weight (the exchange does this otherwise)."""
-    scale = 1.0 / max(total_weight, 1e-12)
-    for param in replica.params:
-        if param.grad is not None:
-            param.grad.mul_(scale)
-
-
 class ThreadedWorld:
     """The threaded topology's place among ranks: one process, rank 0 of 1. Its collectives are
     the identity, so the run's code is the same for threads and for ranks under torchrun."""
@@ -125,8 +117,10 @@ class ThreadedTopology:
         """Forward and backward on this worker's shard, gradients exchanged, the update applied."""
         replica = self.replicas[rank]
         if self.exchange is None:
+            # One worker: the update divides the gradient of the loss sum by its weight (the
+            # exchange does this otherwise).
             result = replica.compute(ids, mask, position_ids=positions)
-            scale_gradients(replica, result.weight_sum)
+            norm = replica.apply_update(weight_sum=result.weight_sum)
         else:
             result = replica.compute(
                 ids, mask, loss_scale=lambda weight: self.exchange.report_weight(rank, weight),
@@ -134,7 +128,7 @@ class ThreadedTopology:
             )  # fmt: skip
             self.exchange.finish(rank)
             self.exchange.wait_reduced(rank)
-        norm = replica.apply_update()
+            norm = replica.apply_update()
         self._bound_queue(rank)
         return result, norm
 
