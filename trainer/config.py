@@ -58,6 +58,11 @@ class ConfigError(Exception):
         machine checks can still run and report their problems too."""
 
 
+# The shortest sequence compiled flex attention is used for: under it, torch 2.11's Inductor finds
+# no flex kernel (NoValidChoicesError; seen on an H200 with the embedded model's 96-token rows, in
+# float32 and bfloat16 alike, and with regeneration's shorter prompts).
+FLEX_MIN_LEN = 128
+
 @dataclass
 class RunConfig:
     """What the run is: its name (the profile's file stem), a description and the topology."""
@@ -107,19 +112,21 @@ class CompileConfig:
     """The attention of the compiled target forward. Traced by torch.compile, transformers hands
     SDPA an explicit mask (causal, or one conversation at a time in packed rows), which keeps it
     off its causal kernels: every tile of the score matrix is computed, the masked ones too. flex
-    (flex_attention with a block mask) skips them. auto: flex when the target is compiled on CUDA;
-    sdpa (the target's own) otherwise. Measured on one H200 at the Qwen3-8B shape: 0.234 s a step
-    with sdpa, 0.224 with flex (3,072-token rows); packed rows 0.231 and 0.219."""
+    (flex_attention with a block mask) skips them. auto: flex when the target is compiled on CUDA
+    and rows are at least FLEX_MIN_LEN tokens; sdpa (the target's own) otherwise. Measured on one
+    H200 at the Qwen3-8B shape: 0.234 s a step with sdpa, 0.224 with flex (3,072-token rows);
+    packed rows 0.231 and 0.219."""
 
     def compiles_target(self, device_type: str) -> bool:
         wanted = self.target == "on" or (self.target == "auto" and device_type == "cuda")
         return self.mode != "none" and wanted
 
-    def target_attention_of(self, device_type: str) -> str:
-        """The attention the target's feature forward runs with on this device type."""
+    def target_attention_of(self, device_type: str, seq_len: int) -> str:
+        """The attention the target's feature forward runs with on this device type and row length."""
         if self.target_attention != "auto":
             return self.target_attention
-        return "flex" if self.compiles_target(device_type) and device_type == "cuda" else "sdpa"
+        flex = self.compiles_target(device_type) and device_type == "cuda" and seq_len >= FLEX_MIN_LEN
+        return "flex" if flex else "sdpa"
 
     @property
     def uses_cudagraphs(self) -> bool:

@@ -268,14 +268,18 @@ def test_out_with_checkpoints_needs_resume(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
-def test_the_compiled_target_attends_with_flex_on_cuda_only_unless_told():
+def test_the_compiled_target_attends_with_flex_on_cuda_for_long_rows_only_unless_told():
     cfg = load_config("nographs")
     assert cfg.compile.target_attention == "auto"
-    assert cfg.compile.target_attention_of("cuda") == "flex"
-    assert cfg.compile.target_attention_of("cpu") == "sdpa"  # not compiled there (compile.target)
+    assert cfg.compile.target_attention_of("cuda", 3072) == "flex"
+    assert cfg.compile.target_attention_of("cuda", 128) == "flex"
+    assert cfg.compile.target_attention_of("cuda", 96) == "sdpa"  # the embedded model's rows on a GPU
+    assert cfg.compile.target_attention_of("cpu", 3072) == "sdpa"  # not compiled there
     off = load_config("nographs", sets=["compile.target=off"])
-    assert off.compile.target_attention_of("cuda") == "sdpa"  # an eager target keeps its own
+    assert off.compile.target_attention_of("cuda", 3072) == "sdpa"  # an eager target keeps its own
     told = load_config("nographs", sets=["compile.target_attention=sdpa"])
-    assert told.compile.target_attention_of("cuda") == "sdpa"
+    assert told.compile.target_attention_of("cuda", 3072) == "sdpa"
+    forced = load_config("nographs", sets=["compile.target_attention=flex"])
+    assert forced.compile.target_attention_of("cuda", 96) == "flex"
     with pytest.raises(ConfigError, match="target_attention"):
         load_config("nographs", sets=["compile.target_attention=dense"])

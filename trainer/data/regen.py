@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import FLEX_MIN_LEN
 from .chat import ChatFormat, DataError, Example, iter_conversations, prompt_ids, tokenize_stream
 
 REGEN_FORMAT = 2
@@ -43,7 +44,6 @@ HASH_CHUNK = 1 << 20
 # Each (rows, width) shape compiles the decode step once: a few per bucketed width, a dozen widths
 # at most, more than Dynamo's default limit of 8 (past it, it runs eagerly).
 RECOMPILE_LIMIT = 64
-FLEX_MIN_WIDTH = 128
 
 
 @dataclass
@@ -288,8 +288,8 @@ def widths_for(settings: RegenSettings, attention: str | None) -> RegenSettings:
     """The settings whose min_width this attention can prefill. Flex attention takes its decoding
     kernel for fewer than 128 query tokens, and Inductor finds no kernel for such a prefill
     (NoValidChoicesError: 64-token prompts, one H200, torch 2.11): there widths start at 128."""
-    if attention == "flex_attention" and settings.min_width < FLEX_MIN_WIDTH:
-        return dataclasses.replace(settings, min_width=FLEX_MIN_WIDTH)
+    if attention == "flex_attention" and settings.min_width < FLEX_MIN_LEN:
+        return dataclasses.replace(settings, min_width=FLEX_MIN_LEN)
     return settings
 
 
