@@ -11,7 +11,8 @@
 #                                    curves (-e runs=a,b), the drafter in the DFlash format
 #   ./dev.sh fast           ruff, ansible-lint (production), the unit tests (pytest -m unit)
 #   ./dev.sh sanity         ansible-test sanity for the collection dflash.ct200
-#   ./dev.sh test           everything: ruff, ansible-lint, sanity, pytest, molecule (default, proxmox)
+#   ./dev.sh test           everything: ruff, ansible-lint, sanity, pytest beside molecule (default, proxmox)
+#   ./dev.sh molecule       only the molecule scenarios default and proxmox
 #   ./dev.sh bench          launch/status/stop timings next to a bare nohup start
 #   ./dev.sh setup          only create or update .venv
 set -eu
@@ -38,7 +39,9 @@ setup() {
     # 122 s on the 2-core machine that way, 37 + 48 s this way, the same .pyc files). A file that does
     # not compile on this Python (torch ships one in newer syntax) is skipped as pip skips it.
     "$VENV/bin/python" -m pip install --quiet --no-compile -r requirements-dev.txt
-    "$VENV/bin/python" -m compileall -q -j 0 "$VENV/lib" >/dev/null 2>&1 || true
+    # Not ansible_collections (15,000 of the 28,000 files): Ansible compiles a collection's Python from
+    # its source every time and never reads a .pyc of it.
+    "$VENV/bin/python" -m compileall -q -j 0 -x '/ansible_collections/' "$VENV/lib" >/dev/null 2>&1 || true
     echo "$stamp" > "$VENV/.requirements.sha256"
 }
 
@@ -73,15 +76,11 @@ run_lint_and_sanity() {
     fi
 }
 
-run_tests() {
-    ruff check .
-    run_lint_and_sanity
-    # Parallel pytest processes (pytest-xdist), a test file each at a time: its tests in order in one
-    # worker, the real-host file (one test node) included. Files in collection order (the real-host
-    # file first, the unit tests last), not xdist's most-tests-first. docs/TESTING.md, Parallel runs.
-    python -m pytest -q --durations=25 -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder
+# The molecule scenarios, one after the other: default (this machine plays CT 200), then proxmox (the
+# real-host path on a test node of its own, tests/testnode: root, LXC, debootstrap and sshd, which
+# .ci/run installs).
+run_molecule() {
     molecule test -s default
-    # The real-host path (tests/testnode): root, LXC, debootstrap and sshd, which .ci/run installs.
     reason=$(python -c 'import sys; sys.path.insert(0, "tests/proxmox"); from realhost import missing_requirements as m; print(m() or "")')
     if [ -z "$reason" ]; then
         tests/proxmox/run-molecule.sh
@@ -90,6 +89,60 @@ run_tests() {
         exit 1
     else
         echo "molecule scenario proxmox skipped: $reason" >&2
+    fi
+}
+
+# The test nodes an interrupted ./dev.sh test may leave up: the proxmox scenario's (TESTNODE_STATE in
+# molecule/proxmox/molecule.yml), killed before its destroy step, and the one of tests/proxmox (its
+# conftest), whose teardown an interrupt of pytest's workers skips.
+TESTNODE_STATES="/run/dflash-testnode-molecule ${TESTNODE_STATE_PYTEST:-/run/dflash-testnode-pytest}"
+
+# After an interrupt: end the molecule scenarios' process group, then any test node still up (its API,
+# sshd and container). A node caught creating a container stays until its unpacking ends: asked
+# again a few seconds later, it goes.
+stop_molecule_and_nodes() {
+    kill -TERM "-$1" 2>/dev/null || true
+    wait "$1" 2>/dev/null || true
+    for state in $TESTNODE_STATES; do
+        for attempt in 1 2 3 4; do
+            [ -d "$state" ] || break
+            python tests/testnode/testnode.py --state-dir "$state" stop >/dev/null 2>&1 && break
+            if [ "$attempt" -lt 4 ]; then sleep 5; fi
+        done
+        if [ -d "$state" ]; then
+            echo "warning: the test node in $state is still up; stop it: python tests/testnode/testnode.py --state-dir $state stop" >&2
+        fi
+    done
+}
+
+run_tests() {
+    ruff check .
+    run_lint_and_sanity
+    # The molecule scenarios run beside pytest rather than after it: most of their time is waiting
+    # (on one core, or on the proxmox scenario's container), and the proxmox one has its own test
+    # node (its own LXC path, API and sshd on ports the kernel picks), apart from the one of
+    # tests/proxmox. In a process group of its own (setsid: its PID is the group's), so that an
+    # interrupt ends it whole; its output is shown after pytest's.
+    mlogs=$(mktemp -d)
+    trap 'rm -rf "$logs" "$mlogs"' EXIT
+    setsid "$ROOT/dev.sh" molecule >"$mlogs/molecule" 2>&1 &
+    molecule=$!
+    trap 'stop_molecule_and_nodes "$molecule"; exit 130' INT TERM
+    echo "molecule scenarios default and proxmox: started beside pytest; their output follows pytest's" >&2
+    # Parallel pytest processes (pytest-xdist), a test file each at a time: its tests in order in one
+    # worker, the real-host file (one test node) included. Files in collection order (the real-host
+    # file first, the unit tests last), not xdist's most-tests-first. docs/TESTING.md, Parallel runs.
+    pytest_rc=0
+    python -m pytest -q --durations=25 -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
+        || pytest_rc=$?
+    echo "pytest exited $pytest_rc; the molecule scenarios' output (waiting for them to end if they run):" >&2
+    molecule_rc=0
+    wait "$molecule" || molecule_rc=$?
+    trap - INT TERM
+    cat "$mlogs/molecule"
+    if [ "$pytest_rc" -ne 0 ] || [ "$molecule_rc" -ne 0 ]; then
+        echo "error: pytest exited $pytest_rc, the molecule scenarios $molecule_rc" >&2
+        exit 1
     fi
 }
 
@@ -125,9 +178,10 @@ case "$command" in
     fast) run_fast ;;
     sanity) exec scripts/collection_sanity.sh "$@" ;;
     test) run_tests ;;
+    molecule) run_molecule ;;
     bench) exec python scripts/bench_launch.py "$@" ;;
     *)
-        sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
+        sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2
         exit 2
         ;;
 esac

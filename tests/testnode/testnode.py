@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import json
 import os
 import secrets
@@ -117,12 +118,25 @@ def control(state: Path, request: dict[str, Any]) -> Any:
 
 
 def ensure_template() -> Path:
-    """The container template: a debootstrap Debian 12 with python3, built once into the cache."""
+    """The container template: a debootstrap Debian 12 with python3, built once into the cache.
+
+    Two nodes may start at once (pytest's and the molecule scenario's, side by side in ./dev.sh
+    test): the first builds under the cache's lock, the second waits for it and takes its tarball.
+    """
     tarball = CACHE / TEMPLATE
     packed_with = CACHE / (TEMPLATE + ".packages")
     if tarball.is_file() and packed_with.exists() and packed_with.read_text() == ROOTFS_PACKAGES:
         return tarball
     CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if tarball.is_file() and packed_with.exists() and packed_with.read_text() == ROOTFS_PACKAGES:
+            return tarball  # built by the node that held the lock before us
+        return build_template(tarball, packed_with)
+
+
+def build_template(tarball: Path, packed_with: Path) -> Path:
+    """The cached rootfs (debootstrap the first time) packed into the template; under the lock."""
     rootfs = CACHE / f"rootfs-{SUITE}"
     marker = rootfs / ".testnode-packages"
     if rootfs.exists() and (not marker.exists() or marker.read_text() != ROOTFS_PACKAGES):
