@@ -11,7 +11,7 @@
 #                                    curves (-e runs=a,b), the drafter in the DFlash format
 #   ./dev.sh fast           ruff, ansible-lint (production), the unit tests (pytest -m unit)
 #   ./dev.sh sanity         ansible-test sanity for the collection dflash.ct200
-#   ./dev.sh test           everything: ruff, ansible-lint, sanity, pytest beside molecule (default, proxmox)
+#   ./dev.sh test           everything: ruff, ansible-lint, sanity, pytest, molecule (default, proxmox)
 #   ./dev.sh molecule       only the molecule scenarios default and proxmox
 #   ./dev.sh bench          launch/status/stop timings next to a bare nohup start
 #   ./dev.sh setup          only create or update .venv
@@ -92,17 +92,14 @@ run_molecule() {
     fi
 }
 
-# The test nodes an interrupted ./dev.sh test may leave up: the proxmox scenario's (TESTNODE_STATE in
-# molecule/proxmox/molecule.yml), killed before its destroy step, and the one of tests/proxmox (its
-# conftest), whose teardown an interrupt of pytest's workers skips.
-TESTNODE_STATES="/run/dflash-testnode-molecule ${TESTNODE_STATE_PYTEST:-/run/dflash-testnode-pytest}"
+# The test nodes an interrupted ./dev.sh test may leave up: the one of tests/proxmox (its conftest),
+# whose teardown an interrupt of pytest's workers skips, and the proxmox scenario's (TESTNODE_STATE
+# in molecule/proxmox/molecule.yml), killed before its destroy step.
+TESTNODE_STATES="${TESTNODE_STATE_PYTEST:-/run/dflash-testnode-pytest} /run/dflash-testnode-molecule"
 
-# After an interrupt: end the molecule scenarios' process group, then any test node still up (its API,
-# sshd and container). A node caught creating a container stays until its unpacking ends: asked
-# again a few seconds later, it goes.
-stop_molecule_and_nodes() {
-    kill -TERM "-$1" 2>/dev/null || true
-    wait "$1" 2>/dev/null || true
+# After an interrupt: every test node still up (its API, sshd and container) is stopped. A node caught
+# creating a container stays until its unpacking ends: asked again a few seconds later, it goes.
+stop_test_nodes() {
     for state in $TESTNODE_STATES; do
         for attempt in 1 2 3 4; do
             [ -d "$state" ] || break
@@ -115,35 +112,32 @@ stop_molecule_and_nodes() {
     done
 }
 
+# Each step's start, with the time (UTC), so that a run's log says where its time went.
+step() {
+    echo "== $1 ($(date -u +%H:%M:%S))" >&2
+}
+
 run_tests() {
+    step "ruff"
     ruff check .
+    step "ansible-lint and the collection's sanity run"
     run_lint_and_sanity
-    # The molecule scenarios run beside pytest rather than after it: most of their time is waiting
-    # (on one core, or on the proxmox scenario's container), and the proxmox one has its own test
-    # node (its own LXC path, API and sshd on ports the kernel picks), apart from the one of
-    # tests/proxmox. In a process group of its own (setsid: its PID is the group's), so that an
-    # interrupt ends it whole; its output is shown after pytest's.
-    mlogs=$(mktemp -d)
-    trap 'rm -rf "$logs" "$mlogs"' EXIT
-    setsid "$ROOT/dev.sh" molecule >"$mlogs/molecule" 2>&1 &
-    molecule=$!
-    trap 'stop_molecule_and_nodes "$molecule"; exit 130' INT TERM
-    echo "molecule scenarios default and proxmox: started beside pytest; their output follows pytest's" >&2
+    trap 'stop_test_nodes; exit 130' INT TERM
     # Parallel pytest processes (pytest-xdist), a test file each at a time: its tests in order in one
     # worker, the real-host file (one test node) included. Files in collection order (the real-host
     # file first, the unit tests last), not xdist's most-tests-first. docs/TESTING.md, Parallel runs.
-    pytest_rc=0
-    python -m pytest -q --durations=25 -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
-        || pytest_rc=$?
-    echo "pytest exited $pytest_rc; the molecule scenarios' output (waiting for them to end if they run):" >&2
-    molecule_rc=0
-    wait "$molecule" || molecule_rc=$?
-    trap - INT TERM
-    cat "$mlogs/molecule"
-    if [ "$pytest_rc" -ne 0 ] || [ "$molecule_rc" -ne 0 ]; then
-        echo "error: pytest exited $pytest_rc, the molecule scenarios $molecule_rc" >&2
-        exit 1
+    # The molecule scenarios follow: beside pytest they gained nothing (the two cores are busy
+    # throughout; docs/PERFORMANCE.md, Test lanes).
+    step "pytest"
+    rc=0
+    python -m pytest -q --durations=25 -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        exit "$rc"
     fi
+    step "molecule scenarios default and proxmox"
+    run_molecule
+    trap - INT TERM
+    step "done"
 }
 
 command=${1:-}
