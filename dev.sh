@@ -107,7 +107,7 @@ stop_test_nodes() {
             if [ "$attempt" -lt 4 ]; then sleep 5; fi
         done
         if [ -d "$state" ]; then
-            echo "warning: the test node in $state is still up; stop it: python tests/testnode/testnode.py --state-dir $state stop" >&2
+            echo "warning: the test node in $state is still up; stop it: .venv/bin/python tests/testnode/testnode.py --state-dir $state stop" >&2
         fi
     done
 }

@@ -120,8 +120,8 @@ def control(state: Path, request: dict[str, Any]) -> Any:
 def ensure_template() -> Path:
     """The container template: a debootstrap Debian 12 with python3, built once into the cache.
 
-    Two nodes may start at once (pytest's and the molecule scenario's, side by side in ./dev.sh
-    test): the first builds under the cache's lock, the second waits for it and takes its tarball.
+    Two nodes may start at once (two test runs on one machine, each with its own state): the first
+    builds under the cache's lock, the second waits for it and takes its tarball.
     """
     tarball = CACHE / TEMPLATE
     packed_with = CACHE / (TEMPLATE + ".packages")
