@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -417,6 +418,19 @@ def run_threaded(name, shape, devices, targets, args, out_dir) -> dict:
         return measure(name, shape, topology, devices, global_batch, started, log, args, out_dir)
     finally:
         topology.close()
+        release(replicas, devices, log)
+
+
+def release(replicas: list[Replica], devices: list[torch.device], log) -> None:
+    """Free a setting's replicas before the next one, so each row's peak memory is its own:
+    Dynamo's caches hold the compiled modules, hence their parameters, until reset."""
+    replicas.clear()
+    torch._dynamo.reset()
+    gc.collect()
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            log(f"left in use after the setting: {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB")
 
 
 def run_process(name, shape, gpus, args, out_dir, env) -> dict:
