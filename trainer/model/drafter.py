@@ -194,7 +194,9 @@ class SharedTargetParts:
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, shape: DrafterShape, shared: SharedTargetParts):
+    def __init__(self, shape: DrafterShape, shared: SharedTargetParts | None, initialize: bool = True):
+        """initialize=False: no random weights (for weights loaded next, or only the names and
+        shapes on the meta device; drawing them there still imports Dynamo, 1.5 s on a CPU)."""
         super().__init__()
         self.shape = shape
         self.shared = shared
@@ -203,7 +205,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, shape.rms_eps)
         self.layers = nn.ModuleList(DrafterLayer(shape) for _ in range(shape.num_layers))
         self.norm = RMSNorm(h, shape.rms_eps)
-        self.reset_parameters()
+        if initialize:
+            self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for module in self.modules():

@@ -112,7 +112,7 @@ class Replica:
             # Another worker's replica: its weights are copied from the first one, so skip the
             # random initialisation (seconds on the CPU for the ~1B parameters of an 8B target).
             with torch.device("meta"):
-                drafter = DFlashDrafter(shape, shared_parts(target))
+                drafter = DFlashDrafter(shape, shared_parts(target), initialize=False)
             self.drafter = drafter.to_empty(device=device)
             self.drafter.load_state_dict(copy_of.drafter.state_dict())
         self.attention = resolve_attention(cfg.drafter.attention, device, cfg.compile.mode)
