@@ -142,15 +142,16 @@ def resolve_mask_token_id(cfg: Config, target: Path) -> int:
     """The mask token the run trained with: drafter.mask_token_id, or the tokenizer's (as train.py)."""
     if cfg.drafter.mask_token_id >= 0:
         return cfg.drafter.mask_token_id
-    mask_id = mask_token_id_in_files(tokenizer_dir(cfg, target))
+    directory = tokenizer_dir(cfg, target)
+    mask_id = mask_token_id_in_files(directory)
     if mask_id is None:
         from .model.target import load_tokenizer
 
-        mask_id = load_tokenizer(tokenizer_dir(cfg, target)).mask_token_id
+        mask_id = load_tokenizer(directory).mask_token_id
     if mask_id is None:
         raise ExportError(
             f"the run recorded no mask token id (drafter.mask_token_id=-1) and the tokenizer at "
-            f"{tokenizer_dir(cfg, target)} has no mask token; a drafter cannot be served without the id it "
+            f"{directory} has no mask token; a drafter cannot be served without the id it "
             "was trained with"
         )
     return int(mask_id)
