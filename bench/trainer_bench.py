@@ -43,12 +43,15 @@ Triton caches, so time to first step includes the whole compile in every row ali
 
 FLOPs counted per sample (matrix products only, the usual MFU convention; T context tokens,
 Q = anchors x block query positions, H hidden, I intermediate, V vocab, h/kv heads of dim d,
-K context layers, n_t target layers, P_t target parameters outside embedding and LM head):
+K context layers, n_t target layers the drafter needs (up to the last one it reads, as the trainer
+runs them), P_t their parameters):
   target forward (no autograd):  2 T P_t + 2 n_t h d T^2              (causal attention: half of T^2)
   drafter fc (weight grad only): 4 T K H^2
   drafter layers, each:          6 Q (2 H h d + 3 H I) + 6 (T + Q) (2 H kv d)  (q, o, MLP; k, v)
                                  + 12 h d S, S = sum over queries of the keys they may see
-  LM head (frozen: fwd + input grad): 4 Q V H
+  LM head (frozen: fwd + input grad): 4 Q' V H, Q' = anchors x (block - 1), the positions scored
+                                 (the head also runs over each block's position 0, its given anchor,
+                                 which has no label: work done, not counted)
 MFU = counted FLOPs / time / (989 TFLOP/s dense bf16 per H200 on paper x GPUs); the column
 "of 790" uses the ~790 TFLOP/s a large bf16 matmul reaches on that machine instead.
 """
@@ -212,22 +215,28 @@ def build_target(shape: Shape, device: torch.device, dtype: torch.dtype):
     return model
 
 
+def target_layers_run(shape: Shape) -> int:
+    """The target layers a step needs: up to the last one the drafter reads (the rest are skipped)."""
+    return target_layer_ids(shape.layers, shape.context_layers)[-1] + 1
+
+
 def flops_per_sample(shape: Shape, mean_visible_keys: float) -> dict[str, float]:
     s, t = shape, shape.seq_len
     q = s.anchors * s.block
     attn_width = s.heads * s.head_dim
     kv_width = s.kv_heads * s.head_dim
-    target_params = s.layers * (
+    layers = target_layers_run(s)
+    target_params = layers * (
         2 * s.hidden * attn_width + 2 * s.hidden * kv_width + 3 * s.hidden * s.intermediate
     )
-    target = 2 * t * target_params + 2 * s.layers * attn_width * t * t
+    target = 2 * t * target_params + 2 * layers * attn_width * t * t
     fc = 4 * t * s.context_layers * s.hidden * s.hidden
     per_layer = (
         6 * q * (2 * s.hidden * attn_width + 3 * s.hidden * s.intermediate)
         + 6 * (t + q) * 2 * s.hidden * kv_width
         + 12 * attn_width * q * mean_visible_keys
     )
-    head = 4 * q * s.vocab * s.hidden
+    head = 4 * s.anchors * (s.block - 1) * s.vocab * s.hidden
     drafter = fc + s.drafter_layers * per_layer + head
     return {"target": target, "drafter": drafter, "target_linear_per_token": 2 * target_params}
 
@@ -326,7 +335,7 @@ class Batches:
         lengths = [s.seq_len] * positions.shape[0] if self.mix == "full" else self.lengths_of[id(batch[0])]
         real_tokens = sum(lengths)
         valid = valid_anchor_count(mask, positions, s.anchors)
-        attention = 2 * s.layers * s.heads * s.head_dim * sum(x * x for x in lengths)
+        attention = 2 * target_layers_run(s) * s.heads * s.head_dim * sum(x * x for x in lengths)
         target = flops["target_linear_per_token"] * real_tokens + attention
         drafter = flops["drafter"] * valid / s.anchors
         return {"real_tokens": real_tokens, "valid_anchors": valid, "flops": target + drafter}
@@ -405,20 +414,21 @@ def run_threaded(name, shape, devices, targets, args, out_dir) -> dict:
     layer_ids = target_layer_ids(shape.layers, shape.context_layers)
     torch.manual_seed(0)
     replicas: list[Replica] = []
-    for rank, (device, target) in enumerate(zip(devices, targets, strict=True)):
-        # The targets are shared by every row; a row whose target attention is flex switches them
-        # (Replica.compile), so each row starts from the attention the target was built with.
-        target.set_attn_implementation("sdpa")
-        first = replicas[0] if replicas else None
-        with bench_patches(name):
+    # The patches stay for the whole row, so that one may replace a function called at every step.
+    with bench_patches(name):
+        for rank, (device, target) in enumerate(zip(devices, targets, strict=True)):
+            # The targets are shared by every row; a row whose target attention is flex switches them
+            # (Replica.compile), so each row starts from the attention the target was built with.
+            target.set_attn_implementation("sdpa")
+            first = replicas[0] if replicas else None
             replicas.append(Replica(cfg, device, target, layer_ids, shape.vocab - 1, rank, copy_of=first))
-    topology = ThreadedTopology(replicas, cfg.parallel.step_timeout_s, log)
-    try:
-        global_batch = shape.batch * len(devices)
-        return measure(name, shape, topology, devices, global_batch, started, log, args, out_dir)
-    finally:
-        topology.close()
-        release(replicas, devices, log)
+        topology = ThreadedTopology(replicas, cfg.parallel.step_timeout_s, log)
+        try:
+            global_batch = shape.batch * len(devices)
+            return measure(name, shape, topology, devices, global_batch, started, log, args, out_dir)
+        finally:
+            topology.close()
+            release(replicas, devices, log)
 
 
 def release(replicas: list[Replica], devices: list[torch.device], log) -> None:
@@ -483,11 +493,11 @@ def worker(name: str, shape: Shape, args, out_dir: Path, row_file: Path) -> int:
         started = time.perf_counter()
         torch.manual_seed(0)
         layer_ids = target_layer_ids(shape.layers, shape.context_layers)
-        with bench_patches(name):
+        with bench_patches(name):  # for the whole row, as in the threaded rows
             replica = Replica(cfg, device, target, layer_ids, mask_id=shape.vocab - 1, rank=world.rank)
-        topology = ProcessTopology(replica, world, log)
-        global_batch = shape.batch * world.world_size
-        row = measure(name, shape, topology, [device], global_batch, started, log, args, out_dir)
+            topology = ProcessTopology(replica, world, log)
+            global_batch = shape.batch * world.world_size
+            row = measure(name, shape, topology, [device], global_batch, started, log, args, out_dir)
         peaks = world.gather(row["peak_gib"])
         row["peak_gib"] = max(peaks)
         if device.type == "cpu":
