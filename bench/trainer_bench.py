@@ -572,7 +572,9 @@ def main() -> int:
         "--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}"
     )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per setting")
-    parser.add_argument("--batch", type=int, default=0, help="rows per GPU per step (0: the shape's own)")
+    parser.add_argument(
+        "--batch", default="0", help="rows per GPU per step, or counts such as 1,4 (0: the shape's own)"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
     parser.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="", help="override")
     parser.add_argument("--profile", default="", help="profile two steps of this setting")
@@ -603,9 +605,15 @@ def main() -> int:
         parser.error(f"--gpus must be 0 (CPU) or GPU counts such as 1,2, got {args.gpus!r}")
     if max(gpu_counts) > 0 and torch.cuda.device_count() < max(gpu_counts):
         parser.error(f"--gpus {args.gpus}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    try:
+        batches = [int(b) for b in str(args.batch).split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--batch takes row counts separated by commas, got {args.batch!r}")
+    if not batches or min(batches) < 0:
+        parser.error(f"--batch takes row counts such as 1,4 (0: the shape's own), got {args.batch!r}")
     shape = SHAPES[args.shape]
-    if args.batch:
-        shape = dataclasses.replace(shape, batch=args.batch)
+    if args.worker and batches[0]:
+        shape = dataclasses.replace(shape, batch=batches[0])
     out_dir = Path(os.environ.get("OUT", ".")).resolve()
     if args.worker:
         args.gpus = gpu_counts[0]
@@ -626,8 +634,10 @@ def main() -> int:
             parser.error(f"--lengths takes full and chat, got {mix!r}")
         mixes += list(CHAT_MIXES) if mix == "chat" else [mix]
     rows = []
-    for gpus, name, args.mix in ((g, n, m) for g in gpu_counts for n in settings for m in mixes):
+    runs = ((g, b, n, m) for g in gpu_counts for b in batches for n in settings for m in mixes)
+    for gpus, args.batch, name, args.mix in runs:
         if args.mix:  # every row
+            shape = dataclasses.replace(SHAPES[args.shape], batch=args.batch or SHAPES[args.shape].batch)
             print(
                 f"setting {name} ({args.mix}) on {gpus or 'CPU'} {'GPU(s)' if gpus else ''} ...", flush=True
             )
@@ -639,6 +649,8 @@ def main() -> int:
                 devices = devices_for(gpus)
                 row_shape = mix_shape(args.mix, shape)
                 rows.append(run_threaded(name, row_shape, devices, targets[: len(devices)], args, out_dir))
+            if len(batches) > 1:
+                rows[-1]["setting"] += f" batch {shape.batch}"
             print("  " + format_row(rows[-1]), flush=True)
             if args.json:  # after every row: a run cut short keeps the rows it finished
                 Path(args.json).write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1))
