@@ -8,7 +8,9 @@ leaves nothing behind for long.
 
 `--behave` (passed through the module's `args`) picks what it does: `train` (the default),
 `bad-input` (an `error: ...` line, exit 2), `no-record` (never writes its run record),
-`ignore-term` (SIGTERM ignored: only SIGKILL stops it), `finish` (two steps, `done: ...`, exit 0).
+`ignore-term` (SIGTERM ignored: only SIGKILL stops it), `finish` (two steps, `done: ...`, exit 0),
+`checkpoint-every-step` (a checkpoint after each step, so that a stop rewrites the one just written).
+Checkpoints are written as the trainer writes them: a new file moved into place.
 """
 
 from __future__ import annotations
@@ -57,14 +59,19 @@ def write_record(**fields):
     os.replace(path + ".tmp", path)
 
 
+def save():
+    os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
+    path = os.path.join(out, "checkpoints", "step_%08d.pt" % step)
+    with open(path + ".tmp", "wb") as handle:
+        handle.write(b"checkpoint")
+    os.replace(path + ".tmp", path)
+    say("checkpoint saved step %d %s" % (step, path))
+
+
 def on_term(signum, frame):
     say("signal SIGTERM: checkpointing and exiting")
     if out:
-        os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
-        path = os.path.join(out, "checkpoints", "step_%08d.pt" % step)
-        with open(path, "wb") as handle:
-            handle.write(b"checkpoint")
-        say("checkpoint saved step %d %s" % (step, path))
+        save()
         write_record(state="stopped", exit_status=0, exit_reason="stopped after a checkpoint")
     say("stopped at step %d" % step)
     sys.exit(0)
@@ -96,6 +103,8 @@ while time.monotonic() < deadline:
     if out:
         with open(os.path.join(out, "metrics.jsonl"), "a") as handle:
             handle.write(json.dumps({{"kind": "train", "step": step, "loss": 1.0, "lr": 1e-4}}) + "\\n")
+    if out and behave == "checkpoint-every-step":
+        save()
     if behave == "finish" and step == 2:
         say("done: 2 steps")
         sys.exit(0)

@@ -134,6 +134,25 @@ def test_with_the_cache_lost_the_trainer_is_found_on_the_target_and_its_record_c
     assert read_record(runs / "nographs")["state"] == "stopped"
 
 
+def test_a_stop_right_after_a_checkpoint_names_the_one_it_rewrote_with_the_log_gone(
+    tmp_path, run_module, trainer
+) -> None:
+    """A stop that lands on a step the trainer has just checkpointed writes that step's file again, at
+    the same path: the stop still names it from the checkpoint directory, without the log."""
+    runs = tmp_path / "runs"
+    started = trainer("--behave", "checkpoint-every-step", out=runs / "nographs")
+    log = tmp_path / "train.log"
+    log.unlink()
+    result = run_module(trainer_stop.main, {"runs_dir": str(runs), "recorded": {}, "log": str(log)})
+    assert not result.failed, result.result["msg"]
+    assert gone_within(started["pid"], 5)
+    checkpoint = result.result["checkpoint"]
+    assert checkpoint is not None and checkpoint.startswith("checkpoint saved step "), result.result["msg"]
+    step = int(checkpoint.split()[3])
+    assert checkpoint.endswith(str(runs / "nographs" / "checkpoints" / f"step_{step:08d}.pt"))
+    assert result.result["msg"] == f"stopped PID {started['pid']} after SIGTERM; {checkpoint}"
+
+
 def test_bad_input_is_refused_by_name_and_signals_nothing(tmp_path, run_module, trainer) -> None:
     started = trainer()
     result = run_module(trainer_stop.main, {**recorded(started, tmp_path / "train.log"), "timeout": "later"})

@@ -165,6 +165,20 @@ def wait_gone(module: AnsibleModule, seconds: float) -> bool:
     return gone(module)
 
 
+def newest_written(out: str | None) -> tuple | None:
+    """The newest checkpoint (step, path) and its file's identity. A stop that comes at a step the
+    trainer has just checkpointed writes that step's file again (a new file at the same path): only
+    the file's identity tells the stop's checkpoint from the one before."""
+    newest = newest_checkpoint(out)
+    if newest is None:
+        return None
+    try:
+        stat = os.stat(newest[1])
+    except OSError:
+        return (*newest, None, None)
+    return (*newest, stat.st_ino, stat.st_mtime_ns)
+
+
 def find_on_target(module: AnsibleModule) -> dict:
     """Which trainer to stop: the live run on the target (records and locks) wins over the cache."""
     params = module.params
@@ -216,7 +230,7 @@ def main() -> None:
 
     offset = log_size(params["log"])
     out = (found["record"] or {}).get("out")
-    newest_before = newest_checkpoint(out)
+    newest_before = newest_written(out)
     started = time.monotonic()
     os.kill(params["pid"], signal.SIGTERM)
     exited = wait_gone(module, params["timeout"])
@@ -225,7 +239,7 @@ def main() -> None:
         result["killed"] = True
         exited = wait_gone(module, KILL_WAIT_S)
     result["stopped_in_s"] = round(time.monotonic() - started, 2)
-    newest_after = newest_checkpoint(out)
+    newest_after = newest_written(out)
     if newest_after and newest_after != newest_before:
         # The checkpoint directory is the truth; the line keeps the log's form for readers of it.
         result["checkpoint"] = f"checkpoint saved step {newest_after[0]} {newest_after[1]}"
