@@ -8,6 +8,8 @@
                                   # scaling: each setting on 1 and 2 GPUs, cold compile caches
     python bench/trainer_bench.py --shape 8b --gpus 1 --settings nographs --lengths full,chat
                                   # real chat lengths: padded and packed rows side by side
+    python bench/trainer_bench.py --shape 8b --gpus 1 --settings nographs --batch 1,2,4
+                                  # rows per step: 1, 2 and 4 rows a GPU side by side
 
 Length mixes (`--lengths`, default full): `full` is every row one conversation of seq_len tokens,
 all supervised (the figures measured before packing existed); `chat` is a long-tailed mix, run
