@@ -52,42 +52,57 @@ run_fast() {
     python -m pytest -q -m unit -n 2
 }
 
-# ansible-lint and the collection's sanity run side by side (each mostly one core: 36 and 38 s on the
-# 2-core machine one after the other), their output shown after both end, one after the other.
-run_lint_and_sanity() {
+# Two commands side by side, each in a process group of its own (setsid: its PID is the group's), which
+# an interrupt ends whole: a script's background jobs ignore Ctrl-C, and the children of ansible-test or
+# molecule would outlive it. Their output is shown after both end, one after the other.
+#   side_by_side NAME_A "COMMAND A" NAME_B "COMMAND B"
+side_by_side() {
     logs=$(mktemp -d)
-    trap 'rm -rf "$logs"' EXIT
-    # Each in a process group of its own (setsid: its PID is the group's), which an interrupt ends
-    # whole: a script's background jobs ignore Ctrl-C, and ansible-test's children would outlive it.
-    setsid ansible-lint --profile production >"$logs/lint" 2>&1 &
-    lint=$!
-    setsid scripts/collection_sanity.sh >"$logs/sanity" 2>&1 &
-    sanity=$!
-    trap 'kill -TERM "-$lint" "-$sanity" 2>/dev/null || true; exit 130' INT TERM
-    lint_rc=0
-    wait "$lint" || lint_rc=$?
-    sanity_rc=0
-    wait "$sanity" || sanity_rc=$?
+    setsid sh -c "$2" >"$logs/a" 2>&1 &
+    first=$!
+    setsid sh -c "$4" >"$logs/b" 2>&1 &
+    second=$!
+    # An interrupt also stops the test nodes a molecule scenario leaves up (none for the others).
+    trap 'kill -TERM "-$first" "-$second" 2>/dev/null || true; rm -rf "$logs"; stop_test_nodes; exit 130' INT TERM
+    first_rc=0
+    wait "$first" || first_rc=$?
+    second_rc=0
+    wait "$second" || second_rc=$?
     trap - INT TERM
-    cat "$logs/lint" "$logs/sanity"
-    if [ "$lint_rc" -ne 0 ] || [ "$sanity_rc" -ne 0 ]; then
-        echo "error: ansible-lint exited $lint_rc, the collection's sanity run $sanity_rc" >&2
-        exit 1
+    cat "$logs/a" "$logs/b"
+    rm -rf "$logs"
+    if [ "$first_rc" -ne 0 ] || [ "$second_rc" -ne 0 ]; then
+        echo "error: $1 exited $first_rc, $3 $second_rc" >&2
+        return 1
     fi
 }
 
-# The molecule scenarios, one after the other: default (this machine plays CT 200), then proxmox (the
-# real-host path on a test node of its own, tests/testnode: root, LXC, debootstrap and sshd, which
-# .ci/run installs).
+# ansible-lint and the collection's sanity run side by side (each mostly one core: 36 and 38 s on the
+# 2-core machine one after the other).
+run_lint_and_sanity() {
+    side_by_side ansible-lint "ansible-lint --profile production" \
+        "the collection's sanity run" scripts/collection_sanity.sh
+}
+
+# The molecule scenarios default (this machine plays CT 200) and proxmox (the real-host path on a test
+# node of its own, tests/testnode: root, LXC, debootstrap and sshd, which .ci/run installs), side by
+# side, nothing shared between them. The proxmox scenario is one chain of playbooks that keeps one core
+# busy: run alone after pytest it left the 2-core machine 46 % idle for four minutes (docs/PERFORMANCE.md,
+# Test lanes). The scenario default, then MORE (a command, if given), fill the other core.
+#   run_molecule [MORE]
 run_molecule() {
-    molecule test -s default
+    more=${1:-}
     reason=$(python -c 'import sys; sys.path.insert(0, "tests/proxmox"); from realhost import missing_requirements as m; print(m() or "")')
-    if [ -z "$reason" ]; then
-        tests/proxmox/run-molecule.sh
-    elif [ -n "${DFLASH_REQUIRE_TESTNODE:-}" ]; then
+    if [ -n "$reason" ] && [ -n "${DFLASH_REQUIRE_TESTNODE:-}" ]; then
         echo "error: molecule scenario proxmox cannot run: $reason" >&2
         exit 1
+    fi
+    others="molecule test -s default${more:+ && $more}"
+    if [ -z "$reason" ]; then
+        side_by_side "molecule test -s proxmox" tests/proxmox/run-molecule.sh \
+            "molecule test -s default${more:+, then $more}" "$others"
     else
+        sh -c "$others"
         echo "molecule scenario proxmox skipped: $reason" >&2
     fi
 }
@@ -125,17 +140,17 @@ run_tests() {
     trap 'stop_test_nodes; exit 130' INT TERM
     # Parallel pytest processes (pytest-xdist), a test file each at a time: its tests in order in one
     # worker, the real-host file (one test node) included. Files in collection order (the real-host
-    # file first, the unit tests last), not xdist's most-tests-first. docs/TESTING.md, Parallel runs.
-    # The molecule scenarios follow: beside pytest they gained nothing (the two cores are busy
-    # throughout; docs/PERFORMANCE.md, Test lanes).
-    step "pytest"
+    # file first), not xdist's most-tests-first. docs/TESTING.md, Parallel runs.
+    step "pytest, all but the unit tests"
     rc=0
-    python -m pytest -q --durations=25 -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder || rc=$?
+    python -m pytest -q --durations=25 -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
+        -m "not unit" || rc=$?
     if [ "$rc" -ne 0 ]; then
         exit "$rc"
     fi
-    step "molecule scenarios default and proxmox"
-    run_molecule
+    # The unit tests (about 80 CPU seconds in one process) on the core the proxmox scenario leaves idle.
+    step "molecule scenarios default and proxmox, the unit tests beside them"
+    run_molecule "python -m pytest -q -m unit"
     trap - INT TERM
     step "done"
 }
