@@ -87,7 +87,7 @@ run_lint_and_sanity() {
 # The molecule scenarios default (this machine plays CT 200) and proxmox (the real-host path on a test
 # node of its own, tests/testnode: root, LXC, debootstrap and sshd, which .ci/run installs), side by
 # side, nothing shared between them. The proxmox scenario is one chain of playbooks that keeps one core
-# busy: run alone after pytest it left the 2-core machine 46 % idle for four minutes (docs/PERFORMANCE.md,
+# busy: run alone after pytest it left the 2-core machine 44 % idle for four minutes (docs/PERFORMANCE.md,
 # Test lanes). The scenario default, then MORE (a command, if given), fill the other core.
 #   run_molecule [MORE]
 run_molecule() {
