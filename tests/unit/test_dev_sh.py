@@ -62,7 +62,16 @@ def test_an_interrupt_ends_both_process_groups_and_stops_the_test_nodes(tmp_path
     script = side_by_side_script(
         tmp_path, f"echo \\$\\$ > {marks[0]}; sleep 60", f"echo \\$\\$ > {marks[1]}; sleep 60"
     )
-    proc = subprocess.Popen(["sh", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default in the script, as in a shell started from a terminal: pytest itself may
+    # run as a background job of a script (./dev.sh test runs the unit tests so), which ignores
+    # SIGINT, and a shell cannot trap a signal ignored when it started.
+    proc = subprocess.Popen(
+        ["sh", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     groups: list[int] = []
     try:
         deadline = time.monotonic() + 20
