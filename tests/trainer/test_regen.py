@@ -128,6 +128,25 @@ def test_answers_equal_plain_greedy_generate_in_float32(tmp_path, tiny, data_and
     assert [role for role, _ in multi_turn] == ["system", "user", "assistant", "user", "assistant"]
 
 
+def test_continuous_batching_on_a_cpu_sizes_its_cache_for_the_call_not_the_machine(
+    tmp_path, tiny, data_and_reference, monkeypatch
+):
+    """A machine whose free RAM is 1 GB: left to size itself, the paged cache took a share of it too
+    small for its fixed tensors and refused to start (num_sectors < 0); sized for the call's requests,
+    the answers are plain greedy generate's."""
+    from transformers.generation.continuous_batching import cache
+
+    gib = 1 << 30
+    monkeypatch.setattr(
+        cache, "get_device_and_memory_breakdown", lambda: (torch.device("cpu"), 2 * gib, gib, gib)
+    )
+    data, reference = data_and_reference
+    regen = regeneration(tmp_path, data, tiny, engine="continuous", shard_size=10)
+    regen.prepare()
+    assert generate_all(regen, [tiny[0]])
+    assert regenerated(regen) == reference
+
+
 def test_two_workers_share_the_shards_and_merge_in_the_input_order(
     tmp_path, embedded, tiny, data_and_reference
 ):

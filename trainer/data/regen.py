@@ -325,16 +325,34 @@ def continuous_generate(target, prompts, settings, chat, pad_id, should_stop) ->
     )
     options = {}
     if next(target.parameters()).device.type == "cpu":
-        # Its default paged cache takes most of the free memory; on a CPU that is the machine's RAM.
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-        options["continuous_batching_config"] = ContinuousBatchingConfig(max_memory_percent=0.02)
+        options["continuous_batching_config"] = cpu_cache_config(prompts, settings.max_new_tokens)
     results = target.generate_batch(
         [list(p) for p in prompts], generation_config=config, progress_bar=False, **options
     )
     # Request ids are req_<n>, numbered in the order of the inputs.
     in_order = sorted(results.items(), key=lambda item: int(item[0].rsplit("_", 1)[1]))
     return [cut_answer(list(result.generated_tokens), chat.end_id) for _, result in in_order]
+
+
+# transformers' paged cache: tokens of one page, and its default cap on the tokens of one forward.
+CACHE_PAGE_TOKENS = 256
+CACHE_MAX_BATCH_TOKENS = 8192
+
+
+def cpu_cache_config(prompts, max_new_tokens: int):
+    """The paged cache on a CPU, sized for this call's requests. Left to size itself, it takes a share
+    of the machine's RAM less this process's resident memory, and on a 24 GB machine a share small
+    enough to leave no room once its fixed tensors are paid ("Invalid values: ... num_sectors = -6");
+    a large share would allocate gigabytes the call never reads."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    pages = sum(-(-(len(prompt) + max_new_tokens) // CACHE_PAGE_TOKENS) for prompt in prompts)
+    tokens = sum(len(prompt) + max_new_tokens for prompt in prompts)
+    return ContinuousBatchingConfig(
+        page_size=CACHE_PAGE_TOKENS,
+        num_blocks=pages,
+        max_batch_tokens=max(CACHE_PAGE_TOKENS, min(CACHE_MAX_BATCH_TOKENS, tokens)),
+    )
 
 
 GENERATORS = {"static": static_generate, "continuous": continuous_generate}
