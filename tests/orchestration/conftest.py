@@ -201,10 +201,34 @@ def ledger(state_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def processes_under(root: Path) -> list[int]:
+    """PIDs of the live processes that work under a directory (a trainer, its supervisor, torchrun
+    and its ranks run in their workspace) or name it on their command line. Zombies and this
+    process are left out."""
+    root = str(root)
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(proc / "cwd")
+            cmdline = proc.joinpath("cmdline").read_bytes()
+        except OSError:
+            continue  # gone meanwhile, or a zombie (no cwd)
+        if cwd == root or cwd.startswith(root + os.sep) or root.encode() in cmdline:
+            found.append(int(proc.name))
+    return found
+
+
 def stop_leftovers(ctl: Controller, state_dir: Path) -> None:
-    """Stop every trainer a test started: through stop.yml, else by its recorded PID (ours only)."""
-    with contextlib.suppress(PlaybookFailed):
-        ctl.stop()
+    """Stop every trainer a test started: through stop.yml, else by its recorded PID (ours only).
+    stop.yml costs about a CPU second even with nothing to stop, and most tests stop their trainers
+    themselves: it runs only while a process of the test still lives under the state directory's
+    parent (the test's tmp_path, which also holds the workspaces of tests/orchestration's pair
+    inventory)."""
+    if processes_under(state_dir.parent):
+        with contextlib.suppress(PlaybookFailed):
+            ctl.stop()
     for record in ledger(state_dir):
         if is_our_trainer(record):
             os.kill(record["pid"], signal.SIGKILL)
