@@ -79,7 +79,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from trainer.config import load_config
+from trainer.config import TrainConfig, load_config
 from trainer.data.rows import pack, valid_anchor_count
 from trainer.model.drafter import target_layer_ids
 from trainer.parallel.replica import Replica
@@ -109,8 +109,10 @@ class Shape:
 
 
 SHAPES = {
-    # Qwen3-8B: hidden 4096, 36 layers, 32 heads, 8 KV heads, head dim 128, intermediate 12288.
-    "8b": Shape(4096, 36, 32, 8, 128, 12288, 151936, 5, 5, 16, 512, 3072, 1),
+    # Qwen3-8B: hidden 4096, 36 layers, 32 heads, 8 KV heads, head dim 128, intermediate 12288; rows
+    # of 3,072 tokens, as many a GPU per step as the trainer's default train.batch_size (8: 82.8 GiB
+    # at the peak on an H200; docs/PERFORMANCE.md gives 1, 2 and 4 rows too).
+    "8b": Shape(4096, 36, 32, 8, 128, 12288, 151936, 5, 5, 16, 512, 3072, TrainConfig.batch_size),
     "small": Shape(1024, 12, 16, 8, 64, 3072, 32768, 2, 3, 16, 128, 1024, 4),
     "tiny": Shape(64, 6, 4, 2, 16, 192, 512, 2, 3, 8, 8, 64, 2),
 }
