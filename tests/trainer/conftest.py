@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,29 +55,59 @@ EXPORT_RUN_STEPS = (40, 80)
 EXPORT_RUN_EVAL = {"prompts": 8, "max_new_tokens": 48}
 
 
+def session_shared_dir(tmp_path_factory, name: str) -> Path:
+    """A directory that every pytest-xdist worker of this session shares (the parent of their base
+    directories, which pytest makes anew for each session); this session's own without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="session")
-def trained_run(tmp_path_factory, cache_dir, embedded) -> Path:
+def trained_run_embedded(tmp_path_factory) -> tuple[Path, Path]:
+    """The embedded cache the trained run uses: (target dir, data file). One for every worker of the
+    session, next to the run (see trained_run)."""
+    from trainer.data.embedded import ensure_embedded
+
+    shared = session_shared_dir(tmp_path_factory, "trained-run")
+    with (shared / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return ensure_embedded(shared / "cache")
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, trained_run_embedded) -> Path:
     """A short eager run of the embedded default with checkpoints at steps 40 and 80 (tau evaluated
-    at both): what the export is made from."""
-    out = tmp_path_factory.mktemp("trained") / "run"
-    result = run_trainer(
-        "--run",
-        "eager",
-        "--out",
-        str(out),
-        "--steps",
-        str(EXPORT_RUN_STEPS[-1]),
-        "--set",
-        f"data.cache_dir={cache_dir}",
-        "--set",
-        f"train.eval_every={EXPORT_RUN_STEPS[0]}",
-        "--set",
-        f"train.checkpoint_every={EXPORT_RUN_STEPS[0]}",
-        "--set",
-        f"train.eval_prompts={EXPORT_RUN_EVAL['prompts']}",
-        "--set",
-        f"train.eval_max_new_tokens={EXPORT_RUN_EVAL['max_new_tokens']}",
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
+    at both): what the export is made from. Made once per session and only read by the tests
+    (about 15 CPU seconds): the first worker to need it trains it, under a lock, in a directory every
+    worker shares, with the embedded cache of trained_run_embedded; the others wait for it."""
+    shared = session_shared_dir(tmp_path_factory, "trained-run")
+    out, done = shared / "run", shared / "done"
+    with (shared / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a worker that failed half-way
+            cache = shared / "cache"
+            result = run_trainer(
+                "--run",
+                "eager",
+                "--out",
+                str(out),
+                "--steps",
+                str(EXPORT_RUN_STEPS[-1]),
+                "--set",
+                f"data.cache_dir={cache}",
+                "--set",
+                f"train.eval_every={EXPORT_RUN_STEPS[0]}",
+                "--set",
+                f"train.checkpoint_every={EXPORT_RUN_STEPS[0]}",
+                "--set",
+                f"train.eval_prompts={EXPORT_RUN_EVAL['prompts']}",
+                "--set",
+                f"train.eval_max_new_tokens={EXPORT_RUN_EVAL['max_new_tokens']}",
+                timeout=600,
+            )
+            assert result.returncode == 0, result.stderr
+            done.write_text("")
     return out

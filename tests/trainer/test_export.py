@@ -41,7 +41,7 @@ def run_copy(trained_run, tmp_path):
     return copy
 
 
-def test_export_of_the_newest_checkpoint(trained_run, embedded, tmp_path):
+def test_export_of_the_newest_checkpoint(trained_run, trained_run_embedded, tmp_path):
     result = run_export(trained_run, tmp_path / "drafter")
     assert result.returncode == 0, result.stderr
     directory = tmp_path / "drafter"
@@ -54,7 +54,7 @@ def test_export_of_the_newest_checkpoint(trained_run, embedded, tmp_path):
     assert result.stdout.startswith(f"exported step {LAST} of run eager to {directory} (bfloat16)")
 
     config = json.loads((directory / "config.json").read_text())
-    target = json.loads((embedded[0] / "config.json").read_text())
+    target = json.loads((trained_run_embedded[0] / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["num_hidden_layers"] == 2 and config["layer_types"] == ["full_attention"] * 2
     assert config["num_target_layers"] == target["num_hidden_layers"]
@@ -72,7 +72,7 @@ def test_export_of_the_newest_checkpoint(trained_run, embedded, tmp_path):
 
     readme = (directory / "README.md").read_text()
     tau = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()][-1]["tau"]
-    assert f"step {LAST}" in readme and f"`{embedded[0]}`" in readme and f"{tau:.3f}" in readme
+    assert f"step {LAST}" in readme and f"`{trained_run_embedded[0]}`" in readme and f"{tau:.3f}" in readme
     assert f"{EXPORT_RUN_EVAL['prompts']} held-out prompts" in readme
     assert f"--speculative-algorithm DFLASH --speculative-draft-model-path {directory}" in readme
     assert f'"method": "dflash", "model": "{directory}", "num_speculative_tokens": 15' in readme

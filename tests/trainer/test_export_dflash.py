@@ -91,7 +91,7 @@ def logged_tau(run, step: int) -> float:
 
 
 def test_reference_dflash_loads_the_export_and_decodes_losslessly(
-    dflash_model, trained_run, embedded, tmp_path
+    dflash_model, trained_run, trained_run_embedded, tmp_path
 ):
     step, budget = EXPORT_RUN_STEPS[-1], EXPORT_RUN_EVAL["max_new_tokens"]
     # float32, the dtype the run trained and evaluated in, so both sides compute the same drafts.
@@ -105,9 +105,9 @@ def test_reference_dflash_loads_the_export_and_decodes_losslessly(
     assert drafter_ref.mask_token_id == exported["mask_token_id"]
     assert drafter_ref.block_size == exported["block_size"]
 
-    target = load_target(embedded[0], "cpu", "float32")
-    chat = ChatFormat(load_tokenizer(embedded[0]))
-    prompts = held_out_prompts(embedded, chat, EXPORT_RUN_EVAL["prompts"])
+    target = load_target(trained_run_embedded[0], "cpu", "float32")
+    chat = ChatFormat(load_tokenizer(trained_run_embedded[0]))
+    prompts = held_out_prompts(trained_run_embedded, chat, EXPORT_RUN_EVAL["prompts"])
     source = pick_checkpoint(trained_run, step)
     ours = DFlashDrafter(
         DrafterShape.from_target(
