@@ -42,6 +42,14 @@ def run_record(state_dir: Path, run: str = "nographs") -> dict:
     return json.loads((out_of(state_dir, run) / "run.json").read_text())
 
 
+def finished_and_gone(state_dir: Path) -> bool:
+    """The run recorded itself finished and its process has exited: the trainer writes `finished`
+    before it exits, and the supervisor it runs under (the recorded PID) lives until it has reaped
+    it, so for a moment the run is finished on record and still running as a process."""
+    record = run_record(state_dir)
+    return record.get("state") == "finished" and not is_our_trainer(record)
+
+
 def trainers_on(out: Path) -> list[int]:
     """PIDs of every live run on this output: the top process of each (a supervisor and the
     trainer it runs, or torchrun and its ranks, count as one run, named by the top PID)."""
@@ -260,7 +268,7 @@ def test_output_with_checkpoints_needs_resume_or_fresh(state_dir: Path, cleanup:
     ctl = make_controller(state_dir, workspace_trainer_set=finite, run_wait_enabled=False)
     cleanup.append(ctl)
     first = ctl.launch("nographs")
-    wait_for(lambda: run_record(state_dir).get("state") == "finished", what="the run to finish")
+    wait_for(lambda: finished_and_gone(state_dir), what="the run to finish and exit")
     finished = run_record(state_dir)
     assert finished["last_step"] == 4 and finished["exit_status"] == 0
     status = ctl.status()
@@ -291,7 +299,7 @@ def test_output_with_checkpoints_needs_resume_or_fresh(state_dir: Path, cleanup:
     # The hint's way: resumed with more steps, the run continues from its last checkpoint.
     ctl.launch("nographs", resume=True, steps=8)
     wait_for(lambda: run_record(state_dir).get("last_step") == 8, what="the run to reach step 8")
-    wait_for(lambda: run_record(state_dir).get("state") == "finished", what="the run to finish")
+    wait_for(lambda: finished_and_gone(state_dir), what="the run to finish and exit")
     assert "resumed from" in Path(run_record(state_dir)["log"]).read_text()
 
     earlier = sorted((out_of(state_dir) / "checkpoints").iterdir())
