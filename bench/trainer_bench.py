@@ -139,6 +139,9 @@ SETTINGS = {
     "nographs-before": ("nographs", ["compile.target=off"], ("all_layers", "foreach")),
     # The compiled target with SDPA over transformers' explicit mask instead of flex attention.
     "nographs-target-sdpa": ("nographs", ["compile.target_attention=sdpa"]),
+    # The compiled target on flex attention whatever the rows (auto: cuDNN's causal kernel for rows
+    # of one conversation each).
+    "nographs-target-flex": ("nographs", ["compile.target_attention=flex"]),
     # The loss as it was before 2026-12-02: float32 logits and their gradient stored per chunk.
     "nographs-stored-logits": ("nographs", [], ("stored_logits",)),
 }

@@ -268,18 +268,32 @@ def test_out_with_checkpoints_needs_resume(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
-def test_the_compiled_target_attends_with_flex_on_cuda_for_long_rows_only_unless_told():
+def test_the_compiled_target_attends_causally_or_with_flex_on_cuda_for_long_rows_only_unless_told():
     cfg = load_config("nographs")
+    attention = cfg.compile.target_attention_of
     assert cfg.compile.target_attention == "auto"
-    assert cfg.compile.target_attention_of("cuda", 3072) == "flex"
-    assert cfg.compile.target_attention_of("cuda", 128) == "flex"
-    assert cfg.compile.target_attention_of("cuda", 96) == "sdpa"  # the embedded model's rows on a GPU
-    assert cfg.compile.target_attention_of("cpu", 3072) == "sdpa"  # not compiled there
+    assert attention("cuda", 3072, packing=True) == "flex"  # several conversations a row
+    assert attention("cuda", 3072, packing=False) == "causal"  # one conversation a row
+    assert attention("cuda", 128, packing=True) == "flex"
+    assert attention("cuda", 96, packing=True) == "sdpa"  # the embedded model's rows on a GPU
+    assert attention("cuda", 96, packing=False) == "sdpa"
+    assert attention("cpu", 3072, packing=False) == "sdpa"  # not compiled there
     off = load_config("nographs", sets=["compile.target=off"])
-    assert off.compile.target_attention_of("cuda", 3072) == "sdpa"  # an eager target keeps its own
+    # An eager target keeps its own.
+    assert off.compile.target_attention_of("cuda", 3072, packing=False) == "sdpa"
     told = load_config("nographs", sets=["compile.target_attention=sdpa"])
-    assert told.compile.target_attention_of("cuda", 3072) == "sdpa"
+    assert told.compile.target_attention_of("cuda", 3072, packing=False) == "sdpa"
     forced = load_config("nographs", sets=["compile.target_attention=flex"])
-    assert forced.compile.target_attention_of("cuda", 96) == "flex"
+    assert forced.compile.target_attention_of("cuda", 96, packing=False) == "flex"
+    causal = load_config("nographs", sets=["compile.target_attention=causal", "train.packing=false"])
+    assert causal.compile.target_attention_of("cpu", 96, packing=False) == "causal"
     with pytest.raises(ConfigError, match="target_attention"):
         load_config("nographs", sets=["compile.target_attention=dense"])
+
+
+def test_causal_target_attention_with_packed_rows_is_refused_with_the_way_out():
+    with pytest.raises(ConfigError) as refused:
+        load_config("nographs", sets=["compile.target_attention=causal"])  # packing is on by default
+    message = str(refused.value)
+    assert "compile.target_attention=causal with train.packing=true" in message
+    assert "set train.packing=false, or compile.target_attention to auto or flex" in message

@@ -117,3 +117,25 @@ def test_compiled_target_features_with_flex_equal_sdpa_in_packed_rows():
         compiled = torch.compile(FeatureReader(target, [1, 2]), dynamic=False)
         features = compiled(ids, positions)
     assert torch.allclose(features, expected, atol=1e-4, rtol=1e-4), (features - expected).abs().max()
+
+
+def test_compiled_target_features_with_causal_attention_equal_its_own_in_bfloat16():
+    """Rows of one conversation each: cuDNN's causal kernel (no mask) reads the features the
+    target's own SDPA does, within bfloat16 rounding."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trainer.model.target import FeatureReader, attend_with
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, attn_implementation="sdpa",
+    )  # fmt: skip
+    target = Qwen3ForCausalLM(config).cuda().to(torch.bfloat16).eval()
+    ids = torch.randint(0, 512, (2, 256), device="cuda")
+    with torch.no_grad():
+        expected = FeatureReader(target, [1, 2])(ids).float()
+        attend_with(target, "causal")
+        compiled = torch.compile(FeatureReader(target, [1, 2]), dynamic=False)
+        features = compiled(ids).float()
+    assert torch.allclose(features, expected, atol=0.05, rtol=0.02), (features - expected).abs().max()

@@ -4,7 +4,15 @@ drafter reads, equal to the whole target's hidden states; compiled, equal within
 import pytest
 import torch
 
-from trainer.model.target import FeatureReader, layers_up_to, load_target
+from trainer.model.target import (
+    CAUSAL_ATTENTION,
+    FeatureReader,
+    attend_with,
+    causal_attention,
+    layers_up_to,
+    load_target,
+    target_features_and_next,
+)
 
 
 @pytest.fixture
@@ -75,3 +83,42 @@ def test_compiled_reader_matches_eager(target):
     x = ids(target)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), reader(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_causal_attention_gives_the_features_and_greedy_tokens_of_the_targets_own(embedded):
+    """Rows of one conversation each, right-padded as evaluation pads them: the causal attention
+    (no mask built) reads the same features and next tokens as the target's own SDPA."""
+    own = load_target(embedded[0], "cpu", "float32")
+    causal = load_target(embedded[0], "cpu", "float32")
+    attend_with(causal, "causal")
+    assert causal.config._attn_implementation == CAUSAL_ATTENTION
+    layer_ids = [0, len(own.base_model.layers) - 2]
+    x = ids(own, rows=3, length=40)
+    x[1, 30:] = 0  # a shorter conversation, padded at its end
+    with torch.no_grad():
+        torch.testing.assert_close(FeatureReader(causal, layer_ids)(x), FeatureReader(own, layer_ids)(x))
+        expected, expected_next = target_features_and_next(own, x, layer_ids)
+        features, next_tokens = target_features_and_next(causal, x, layer_ids)
+    torch.testing.assert_close(features, expected)
+    assert torch.equal(next_tokens, expected_next)
+
+
+@pytest.mark.unit
+def test_causal_attention_refuses_a_mask():
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="takes no mask"):
+        causal_attention(None, q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+
+
+@pytest.mark.unit
+def test_causal_attention_with_grouped_key_heads_is_causal_softmax_attention():
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, generator=generator)
+    k, v = torch.randn(2, 2, 16, 8, generator=generator), torch.randn(2, 2, 16, 8, generator=generator)
+    out, _ = causal_attention(None, q, k, v, None, scaling=0.5)
+    assert out.shape == (2, 16, 4, 8)
+    scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.5
+    scores = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    by_hand = (scores.softmax(-1) @ v.repeat_interleave(2, dim=1)).transpose(1, 2)
+    torch.testing.assert_close(out, by_hand)

@@ -18,7 +18,7 @@ import torch
 from ..config import Config
 from ..model.drafter import DFlashDrafter, DrafterObjective, DrafterShape
 from ..model.objective import build_blocks, sample_anchors
-from ..model.target import FeatureReader, shared_parts
+from ..model.target import FeatureReader, attend_with, shared_parts
 
 if TYPE_CHECKING:
     from .sharding import OptimizerShard
@@ -161,9 +161,8 @@ class Replica:
         if c.mode == "none":
             return
         settings = {"dynamic": c.dynamic, "fullgraph": c.fullgraph, "options": c.inductor_options()}
-        if c.target_attention_of(self.device.type, self.cfg.train.seq_len) == "flex":
-            # The whole target: its evaluation forward reads the same layers.
-            self.target.set_attn_implementation("flex_attention")
+        t = self.cfg.train
+        attend_with(self.target, c.target_attention_of(self.device.type, t.seq_len, t.packing))
         if c.compiles_target(self.device.type):
             target_options = {**settings["options"], "triton.cudagraphs": False}
             self.read_features = torch.compile(self.features, dynamic=c.dynamic, options=target_options)
