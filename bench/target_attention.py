@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.drafter_attention import timed
 from bench.trainer_bench import SHAPES, chat_lengths, target_layers_run
 from trainer.data.rows import pack
 
@@ -140,22 +141,6 @@ def varlen_kernel(conversations: list[list[int]], seq_len: int, device):
         return out.reshape(b, length, h, d).transpose(1, 2)
 
     return torch.compile(attend, dynamic=False)
-
-
-def timed(fn, repeats: int, device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / repeats
-    began = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - began) * 1000 / repeats
 
 
 def build(name: str, rows: str, conversations, segments, seq_len, device):
