@@ -78,6 +78,9 @@ def causal_attention(module, query, key, value, attention_mask, scaling=None, dr
     if attention_mask is not None:
         raise ValueError("causal attention takes no mask: its rows are causal, one conversation each")
     kernels = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    # Compiled, the kernel is chosen when the graph is made. Eager (evaluation), the choice is the
+    # process's: a worker thread leaving this block while another is in it can only hand that one
+    # a slower kernel of the same attention, never a wrong one (every kernel listed is causal SDPA).
     with sdpa_kernel([*kernels, SDPBackend.MATH], set_priority=True):
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
