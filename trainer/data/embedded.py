@@ -1,18 +1,31 @@
-"""The embedded default: a tiny Qwen3 target, a tiny tokenizer and a small chat data set.
+"""The embedded default: a tiny Qwen3 target, a tiny tokenizer and a small chat data set; and the
+same at a real size, for machines without a real target's weights.
 
 Built on first use under the cache directory (atomically: a temporary directory renamed into
 place), then loaded back through the same code path as a real target. Nothing is downloaded.
 The target is randomly initialised: the trainer regenerates the data with it, so the drafter
 learns to imitate whatever this target answers, which is what DFlash training does at any size.
+
+    python -m trainer.data.embedded --shape qwen3-8b --out DIR [--conversations N] [--device cuda]
+
+writes DIR/target, a Hugging Face directory of a Qwen3-8B-shaped causal LM with random weights and
+a tokenizer whose vocabulary is the model's (151,936 tokens, one word each), and with
+--conversations N, DIR/chat.jsonl: N synthetic conversations of long-tailed lengths in that
+vocabulary. `model.target_path: DIR/target` and `data.train_file: DIR/chat.jsonl` in the machine
+config then run the real recipe (trainer/runs/qwen3-8b.yml) on any machine with a GPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import random
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 EMBEDDED_VERSION = "v1"
@@ -59,6 +72,31 @@ TARGET_SIZE = {
     "initializer_range": 0.02,
 }
 CONVERSATIONS = 600
+# Real sizes with random weights (the published configs' shapes; vocab_size is also the tokenizer's).
+TARGET_SHAPES = {
+    "qwen3-8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02,
+        "vocab_size": 151936,
+    },
+    # The same layout, small enough for a CPU (8 layers: enough for the recipe's 5 context layers):
+    # what the tests build through the same code.
+    "qwen3-tiny": {**TARGET_SIZE, "num_hidden_layers": 8, "vocab_size": 4096},
+}
+# The synthetic chat mix: lognormal turn lengths in tokens (median, sigma), capped; a share of
+# conversations has a second exchange. Regeneration replaces the assistant turns anyway; their
+# lengths here only shape the data file.
+USER_TOKENS = (96, 1.1, 4096)
+ASSISTANT_TOKENS = (256, 1.0, 4096)
+SECOND_EXCHANGE_SHARE = 0.2
 LM_HEAD_SCALE = 25.0
 
 
@@ -66,8 +104,12 @@ def embedded_dir(cache_dir: str | Path) -> Path:
     return Path(cache_dir).expanduser() / f"embedded-{EMBEDDED_VERSION}"
 
 
-def _vocabulary() -> list[str]:
-    return SPECIAL_TOKENS + ["user", "assistant", "system"] + WORDS + LETTERS + [str(n) for n in range(200)]
+def _vocabulary(size: int = 0) -> list[str]:
+    """The embedded vocabulary, filled up to `size` tokens with made-up words (w0, w1, ...)."""
+    words = SPECIAL_TOKENS + ["user", "assistant", "system"] + WORDS + LETTERS + [str(n) for n in range(200)]
+    if size and size < len(words):
+        raise ValueError(f"a vocabulary of {size} tokens cannot hold the {len(words)} embedded ones")
+    return words + [f"w{n}" for n in range(max(0, size - len(words)))]
 
 
 def _conversation(rng: random.Random) -> dict:
@@ -92,11 +134,11 @@ def _conversation(rng: random.Random) -> dict:
     return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
 
 
-def _build_tokenizer(directory: Path) -> None:
+def _build_tokenizer(directory: Path, size: int = 0) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: index for index, token in enumerate(_vocabulary())}
+    vocab = {token: index for index, token in enumerate(_vocabulary(size))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
@@ -180,3 +222,133 @@ def ensure_embedded(cache_dir: str | Path) -> tuple[Path, Path]:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target, data
+
+
+def build_random_target(directory: Path, shape: str, device: str = "cpu", seed: int = 20261203) -> None:
+    """A Hugging Face directory: a Qwen3 causal LM of `shape` with random weights (bfloat16, built
+    on `device`, saved in shards) and a word-level tokenizer with exactly the model's vocabulary."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    sizes = dict(TARGET_SHAPES[shape])
+    vocab_size = sizes.pop("vocab_size")
+    _build_tokenizer(directory, vocab_size)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **sizes,
+    )
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            torch.manual_seed(seed)
+            if device.startswith("cuda"):
+                torch.cuda.manual_seed(seed)
+            model = Qwen3ForCausalLM(config)
+            with torch.no_grad():  # confident logits, as for the tiny target (argmax unchanged)
+                model.lm_head.weight.mul_(LM_HEAD_SCALE)
+    finally:
+        torch.set_default_dtype(previous)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    # A standalone command, never under torch.distributed: save_pretrained's shards and index suit it.
+    model.save_pretrained(str(directory), max_shard_size="4GB")
+
+
+def write_chat(path: Path, conversations: int, vocab_size: int, seed: int = 0) -> None:
+    """`conversations` lines of synthetic chat in the words of a `vocab_size` vocabulary (one word is
+    one token): lognormal turn lengths (USER_TOKENS, ASSISTANT_TOKENS), some with a second exchange."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    skipped = len(SPECIAL_TOKENS) + 3  # special tokens and role names never appear as content
+    words = np.array(_vocabulary(vocab_size)[skipped:])
+
+    def lengths(spec: tuple[int, float, int], count: int) -> np.ndarray:
+        median, sigma, cap = spec
+        return np.clip(rng.lognormal(math.log(median), sigma, count), 1, cap).astype(np.int64)
+
+    def text(count: int) -> str:
+        return " ".join(words[rng.integers(0, len(words), count)])
+
+    with path.open("w") as handle:
+        for first in range(0, conversations, 4096):
+            n = min(4096, conversations - first)
+            user, answer = lengths(USER_TOKENS, n), lengths(ASSISTANT_TOKENS, n)
+            second = rng.random(n) < SECOND_EXCHANGE_SHARE
+            for i in range(n):
+                turns = [(user[i], answer[i])]
+                if second[i]:
+                    turns.append((user[i] // 4 + 1, answer[i] // 2 + 1))
+                messages = [
+                    {"role": role, "content": text(count)}
+                    for asked, answered in turns
+                    for role, count in (("user", asked), ("assistant", answered))
+                ]
+                handle.write(json.dumps({"messages": messages}) + "\n")
+
+
+def build_sized(
+    out: Path, shape: str, conversations: int, device: str, log=print
+) -> tuple[Path, Path | None]:
+    """Build (once) DIR/target and, with conversations, DIR/chat.jsonl; each written under a temporary
+    name and renamed into place, so an interrupted build leaves nothing that looks finished."""
+    out.mkdir(parents=True, exist_ok=True)
+    target, data = out / "target", out / "chat.jsonl"
+    if target.joinpath("config.json").exists():
+        log(f"target: {target} exists; kept")
+    else:
+        staging = Path(tempfile.mkdtemp(prefix=".target-", dir=out))
+        try:
+            started = time.monotonic()
+            build_random_target(staging, shape, device)
+            staging.chmod(0o755)  # mkdtemp's 0700 would keep other users of the machine out
+            os.replace(staging, target)
+            log(f"target: {shape} with random weights in {target} ({time.monotonic() - started:.0f} s)")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    if not conversations:
+        return target, None
+    if data.exists():
+        log(f"data: {data} exists; kept")
+        return target, data
+    partial = out / f".chat.{os.getpid()}.partial"
+    try:
+        started = time.monotonic()
+        write_chat(partial, conversations, TARGET_SHAPES[shape]["vocab_size"])
+        os.replace(partial, data)
+    finally:
+        partial.unlink(missing_ok=True)
+    log(f"data: {conversations:,} conversations in {data} ({time.monotonic() - started:.0f} s)")
+    return target, data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.data.embedded",
+        description="Build a target of a real shape with random weights (and a synthetic chat set), "
+        "for machines without the real weights.",
+    )
+    parser.add_argument("--shape", required=True, choices=sorted(TARGET_SHAPES))
+    parser.add_argument("--out", required=True, help="directory for target/ and chat.jsonl")
+    parser.add_argument("--conversations", type=int, default=0, help="synthetic conversations to write")
+    parser.add_argument("--device", default="cpu", help="where the weights are drawn (cuda is much faster)")
+    args = parser.parse_args(argv)
+    if args.conversations < 0:
+        print(f"error: --conversations must not be negative, got {args.conversations}", file=sys.stderr)
+        return 2
+    try:
+        build_sized(Path(args.out).expanduser(), args.shape, args.conversations, args.device)
+    except OSError as exc:
+        print(f"error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
