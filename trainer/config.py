@@ -73,7 +73,6 @@ class RunConfig:
     """threaded: one process, one worker thread per device; process: one process per GPU (torchrun)."""
     log_name: str = ""
     """Log file name Ansible uses; empty means train_<name>.log."""
-
     def problems(self) -> list[str]:
         out = []
         if not RUN_NAME_RE.match(self.name):
@@ -175,13 +174,22 @@ class TrainConfig:
     eval_max_new_tokens: int = 32
     checkpoint_every: int = 50
     """Periodic checkpoints (0: only on a signal and at the end)."""
+    checkpoint_every_s: float = 0.0
+    """Also a checkpoint once this many seconds have passed since the last one (0: off), so a crash
+    loses at most about this much work whatever the step time; the log gives each checkpoint's
+    write time and size, to choose it by."""
+    keep_checkpoints: int = 3
+    """Keep the newest this many checkpoints, and always the one of the best tau (0: keep every one).
+    An older one is removed only once a newer one is complete on disk, and never while a resume or
+    an export reads it. The best-tau one is that of the step of the best evaluation: a new best
+    tau is checkpointed at its step."""
 
     def problems(self) -> list[str]:
         out = []
         for name in ("steps", "batch_size", "seq_len", "log_every", "eval_prompts", "eval_max_new_tokens"):
             if getattr(self, name) < 1:
                 out.append(f"train.{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("eval_every", "checkpoint_every", "seed"):
+        for name in ("eval_every", "checkpoint_every", "seed", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 out.append(f"train.{name} must not be negative, got {getattr(self, name)}")
         for name in ("steps", "log_every", "eval_every", "checkpoint_every"):
@@ -197,6 +205,11 @@ class TrainConfig:
             out.append(f"train.grad_clip must not be negative, got {self.grad_clip}")
         if not self.weight_decay >= 0:
             out.append(f"train.weight_decay must not be negative, got {self.weight_decay}")
+        if not 0 <= self.checkpoint_every_s <= MAX_TIMEOUT_S:
+            out.append(
+                f"train.checkpoint_every_s must be in [0, {MAX_TIMEOUT_S}] seconds (0: off), "
+                f"got {self.checkpoint_every_s}"
+            )
         return out
 
 

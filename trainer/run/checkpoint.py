@@ -4,10 +4,18 @@ File layout: a magic line, the SHA-256 of the payload, its length, then the payl
 a dict). Written to a temporary file in the same directory, fsync'ed, then os.replace'd into place
 and the directory fsync'ed: a kill -9 at any moment leaves either no new checkpoint or a complete
 one. Loading verifies the magic, the length and the checksum before unpickling (weights_only).
+
+The payload is streamed to the file as torch.save produces it, hashed on the way, and the header
+(of a fixed size: the length is zero-padded) is filled in last: at the Qwen3-8B shape a checkpoint
+is gigabytes, and a copy of it in memory would double both its time and the host memory it needs.
+
+Readers hold a shared lock (flock) on the file while they read it; `prune_checkpoints` removes
+only files it can lock exclusively, so a checkpoint being read by a resume or an export stays.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import os
@@ -18,6 +26,7 @@ from typing import Any
 import torch
 
 MAGIC = b"DFLASH-CKPT 1\n"
+LENGTH_DIGITS = 20  # the payload length, zero-padded, so the header's size is known before the payload
 NAME_RE = re.compile(r"^step_(\d{8})\.pt$")
 
 
@@ -54,36 +63,84 @@ class CheckpointWriteError(Exception):
         )
 
 
+class HashingWriter:
+    """A file for torch.save: every byte written goes to the file and into the SHA-256."""
+
+    def __init__(self, handle):
+        self.handle, self.sha256, self.length = handle, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.length += len(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def header_of(digest: str, length: int) -> bytes:
+    return MAGIC + digest.encode() + b"\n" + str(length).zfill(LENGTH_DIGITS).encode() + b"\n"
+
+
 def save_checkpoint(directory: Path, step: int, state: dict[str, Any]) -> Path:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
-    header = MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + str(len(payload)).encode() + b"\n"
     final = checkpoint_path(directory, step)
     tmp = directory / f".{final.name}.{os.getpid()}.tmp"
+    placeholder = header_of("0" * 64, 0)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tmp.open("wb") as handle:
-            handle.write(header)
-            handle.write(payload)
+            handle.write(placeholder)
+            writer = HashingWriter(handle)
+            torch.save(state, writer)
+            handle.seek(0)
+            handle.write(header_of(writer.sha256.hexdigest(), writer.length))
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, final)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_directory(directory)
     except OSError as exc:
         tmp.unlink(missing_ok=True)  # never leave a partial file
         raise CheckpointWriteError(directory, step, exc) from None
     return final
 
 
-def read_checkpoint_bytes(path: Path) -> bytes:
-    """The whole file as it is on disk (header and payload), unverified."""
+def fsync_directory(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
-        return path.read_bytes()
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def prune_checkpoints(directory: Path, keep: int, protected: set[int]) -> list[int]:
+    """Remove all but the newest `keep` checkpoints and the `protected` steps (0: keep all); a file
+    that a reader holds (its shared lock) stays until a later call. Returns the steps removed."""
+    found = list_checkpoints(directory)
+    if keep < 1 or len(found) <= keep:
+        return []
+    removed = []
+    for step, path in found[:-keep]:
+        if step in protected:
+            continue
+        try:
+            with path.open("rb") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                path.unlink()
+        except (BlockingIOError, FileNotFoundError):
+            continue  # being read now, or gone already
+        removed.append(step)
+    if removed:
+        fsync_directory(directory)
+    return removed
+
+
+def read_checkpoint_bytes(path: Path) -> bytes:
+    """The whole file as it is on disk (header and payload), unverified; read under a shared lock,
+    so that `prune_checkpoints` leaves it alone meanwhile."""
+    try:
+        with path.open("rb") as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH)
+            return handle.read()
     except OSError as exc:
         raise CheckpointError(f"checkpoint {path} cannot be read: {exc}") from None
 

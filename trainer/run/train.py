@@ -37,7 +37,7 @@ from ..parallel.replica import Replica, StepLoss
 from ..parallel.sharding import wait_for_parameters
 from ..parallel.topology import ThreadedTopology, ThreadedWorld
 from . import runrecord
-from .checkpoint import save_checkpoint
+from .checkpoint import prune_checkpoints, save_checkpoint
 from .environment import resolve_devices
 from .recompiles import RecompileWatch
 from .regen import DataSource, prepare_data
@@ -299,6 +299,9 @@ class Run:
         self.recompiles = RecompileWatch()
         self.tau0: float | None = None
         self.tau: float | None = None
+        self.best_tau: float | None = None  # the best evaluation so far: its step is checkpointed
+        self.new_best = False  # the evaluation of this step gave the best tau so far
+        self.last_save = time.monotonic()  # for train.checkpoint_every_s
 
     def restore(self, resume_from: ResumePoint | None) -> int:
         """The step to start from: 0, or the checkpoint's (its state restored everywhere)."""
@@ -314,6 +317,8 @@ class Run:
             last_eval = runrecord.last_metrics(self.out_dir)["eval"]
             if last_eval and last_eval.get("step", -1) <= state["step"]:
                 self.tau = float(last_eval["tau"])
+            taus = evaluations(self.out_dir, up_to=state["step"])
+            self.best_tau = max(taus.values()) if taus else None
         return int(state["step"])
 
     def evaluate(self, step: int) -> float | None:
@@ -330,6 +335,8 @@ class Run:
         if any(value is None for value in taus):
             return None
         self.tau = taus[0]
+        self.new_best = self.best_tau is None or self.tau > self.best_tau
+        self.best_tau = max(self.tau, self.best_tau or self.tau)
         self.out.line(f"eval step {step} tau {self.tau:.3f} prompts {len(self.eval_prompts)}")
         self.out.metric({"kind": "eval", "step": step, "tau": self.tau, "prompts": len(self.eval_prompts)})
         self.warn_about_recompiles()
@@ -342,18 +349,46 @@ class Run:
         finite = all(bool(torch.isfinite(p).all()) for p in self.models.replicas[0].params)
         if self.world.any(not finite):
             self.diverged(step, "the drafter's weights are not finite")
+        began = time.monotonic()
         state = checkpoint_state(step, self.cfg, self.topology, self.loader, self.tau0)
         writer = self.world.is_lead
         path = save_checkpoint(self.out_dir / "checkpoints", step, state) if writer else None
+        self.last_save = time.monotonic()
         if writer:
             self.out.line(f"checkpoint saved step {step} {path}")
             runrecord.note(self.out_dir, last_step=step, last_checkpoint=str(path))
+            self.out.line(self.keep_checkpoints(step, path.stat().st_size, self.last_save - began))
         if self.world.world_size > 1:
             # The other hosts log where rank 0 put it once it is there (stop.yml reports that line
             # on every host); rank 0's file is the run's only checkpoint.
             host, saved = self.world.gather((socket.gethostname(), str(path)) if writer else None)[0]
             if not writer:
                 self.out.line(f"checkpoint saved step {step} by rank 0 on {host}: {saved}")
+
+    def keep_checkpoints(self, step: int, size: int, seconds: float) -> str:
+        """Remove the checkpoints train.keep_checkpoints lets go (the new one is complete on disk);
+        one line for the log: what the checkpoint cost, and what is kept."""
+        directory = self.out_dir / "checkpoints"
+        taus = evaluations(self.out_dir)
+        saved = [saved_step for saved_step, _ in runrecord.checkpoints(self.out_dir)]
+        evaluated = [saved_step for saved_step in saved if saved_step in taus]
+        best = max(evaluated, key=lambda s: (taus[s], s)) if evaluated else None
+        protected = {best} if best is not None else set()
+        removed = prune_checkpoints(directory, self.cfg.train.keep_checkpoints, protected)
+        kept = ", ".join(str(saved_step) for saved_step in saved if saved_step not in removed)
+        line = f"checkpoint step {step}: {size / 2**30:.2f} GiB written in {seconds:.1f} s; kept steps {kept}"
+        if best is not None:
+            line += f" (best tau {taus[best]:.3f} at step {best})"
+        return line + (f"; removed steps {', '.join(map(str, removed))}" if removed else "")
+
+    def checkpoint_due(self, step: int) -> bool:
+        """A step, clock (train.checkpoint_every_s, agreed among ranks) or the last one's checkpoint."""
+        t = self.cfg.train
+        if step == t.steps or every(step, t.checkpoint_every):
+            return True
+        if not t.checkpoint_every_s:
+            return False
+        return self.world.any(time.monotonic() - self.last_save >= t.checkpoint_every_s)
 
     def diverged(self, step: int, what: str) -> None:
         """Stop the run: one line naming the step, the newest (finite) checkpoint and the way out."""
@@ -391,6 +426,13 @@ class Run:
                 last_step=step, tau=self.tau, ended_at=runrecord.utc_now(),
             )  # fmt: skip
         return 0
+
+
+def evaluations(out_dir: Path, up_to: int | None = None) -> dict[int, float]:
+    """tau by step from metrics.jsonl (a step trained again after a crash: its last row)."""
+    rows = runrecord.jsonl_rows(out_dir / "metrics.jsonl")
+    taus = {int(r["step"]): float(r["tau"]) for r in rows if r.get("kind") == "eval" and "tau" in r}
+    return {step: tau for step, tau in taus.items() if up_to is None or step <= up_to}
 
 
 @dataclass
@@ -469,7 +511,8 @@ def training_loop(run: Run, step: int) -> int:
         step += 1
         meter.add(count_batch(batch, cfg.drafter.num_anchors))
         logs = step == total or every(step, cfg.train.log_every)
-        if logs or every(step, cfg.train.checkpoint_every):
+        saves = run.checkpoint_due(step)
+        if logs or saves:
             # Read only where the loss is waited for anyway (a log line, a checkpoint): reading it
             # every step would stall the workers, which queue the next step before it is read.
             loss = float(loss)
@@ -477,9 +520,10 @@ def training_loop(run: Run, step: int) -> int:
                 run.diverged(step, f"the loss is {loss}")
         if logs:
             run.log_progress(step, loss, meter)
+        run.new_best = False
         if (step == total or every(step, cfg.train.eval_every)) and run.evaluate(step) is None:
             return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
-        if step == total or every(step, cfg.train.checkpoint_every):
+        if saves or (run.new_best and cfg.train.keep_checkpoints):
             run.save(step)
     return run.finish(step)
 
