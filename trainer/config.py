@@ -73,6 +73,10 @@ class RunConfig:
     """threaded: one process, one worker thread per device; process: one process per GPU (torchrun)."""
     log_name: str = ""
     """Log file name Ansible uses; empty means train_<name>.log."""
+    requires_target: bool = False
+    """The run is sized for a real target: the machine config must name it (model.target_path) and
+    its data (data.train_file); never the embedded tiny target in its place."""
+
     def problems(self) -> list[str]:
         out = []
         if not RUN_NAME_RE.match(self.name):
@@ -420,6 +424,7 @@ class Config:
         for section in dataclasses.fields(self):
             out.extend(getattr(self, section.name).problems())
         out.extend(compile_guard(self.run, self.compile))
+        out.extend(missing_target(self))
         if self.compile.target_attention == "causal" and self.train.packing:
             out.append(
                 "compile.target_attention=causal with train.packing=true: a packed row holds several "
@@ -440,6 +445,23 @@ def non_finite(section_name: str, section: Any) -> list[str]:
         if isinstance(value, float) and not math.isfinite(value):
             out.append(f"{section_name}.{item.name} must be a finite number, got {value}")
     return out
+
+
+def missing_target(cfg: Config) -> list[str]:
+    """A run sized for a real target refuses to fall back to the embedded tiny one."""
+    if not cfg.run.requires_target:
+        return []
+    missing = [key for key, value in (("model.target_path", cfg.model.target_path),
+                                      ("data.train_file", cfg.data.train_file)) if not value]  # fmt: skip
+    if not missing:
+        return []
+    return [
+        f"run {cfg.run.name} is sized for a real target and needs {' and '.join(missing)} "
+        "from the machine config (the inventory's dflash_machine; trainer/machine.example.yml shows "
+        "both keys); without the real weights, `python -m trainer.data.embedded --shape qwen3-8b "
+        "--out DIR --conversations N --device cuda` builds a random-weights target of that shape "
+        "and a chat set in DIR"
+    ]
 
 
 def compile_guard(run: RunConfig, compile_cfg: CompileConfig) -> list[str]:

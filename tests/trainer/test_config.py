@@ -21,8 +21,20 @@ def test_profiles_exist():
     assert {"nographs", "eager"} <= set(PROFILES)
 
 
+@pytest.fixture(scope="module")
+def sized_target(tmp_path_factory) -> tuple[Path, Path]:
+    """A target of the real layout at a CPU's size, and a synthetic chat set in its vocabulary."""
+    from trainer.data.embedded import build_sized
+
+    return build_sized(tmp_path_factory.mktemp("sized"), "qwen3-tiny", 64, "cpu", log=lambda _: None)
+
+
 @pytest.mark.parametrize("run", PROFILES)
-def test_every_shipped_profile_passes_check(run, tmp_path):
+def test_every_shipped_profile_passes_check(run, tmp_path, sized_target):
+    machine = []
+    if load_config(run, sets=["model.target_path=x", "data.train_file=x"]).run.requires_target:
+        target, data = sized_target
+        machine = ["--set", f"model.target_path={target}", "--set", f"data.train_file={data}"]
     result = run_trainer(
         "--run",
         run,
@@ -31,6 +43,7 @@ def test_every_shipped_profile_passes_check(run, tmp_path):
         str(tmp_path / "out"),
         "--set",
         f"data.cache_dir={tmp_path / 'cache'}",
+        *machine,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"ok: {run}"
@@ -43,6 +56,35 @@ def test_profile_holds_experiment_settings_only(run):
     assert set(data) <= {"run", "compile", "train", "drafter"}
     assert data["run"]["topology"] in ("threaded", "process")
     assert data["run"]["description"]
+
+
+def test_recipe_profile_is_the_published_dflash_recipe_for_an_8b_target():
+    cfg = load_config("qwen3-8b", sets=["model.target_path=/t", "data.train_file=/d"])
+    assert cfg.run.topology == "threaded" and not cfg.compile.uses_cudagraphs
+    t = cfg.train
+    assert (t.seq_len, t.packing, t.lr, t.warmup_frac, t.grad_clip) == (3072, True, 6e-4, 0.04, 1.0)
+    d = cfg.drafter
+    assert (d.num_layers, d.num_context_layers, d.block_size, d.num_anchors, d.gamma) == (5, 5, 16, 512, 7.0)
+    assert cfg.train.keep_checkpoints >= 1 and cfg.train.checkpoint_every_s > 0
+
+
+@pytest.mark.parametrize(
+    ("machine", "missing"),
+    [
+        ([], "model.target_path and data.train_file"),
+        (["model.target_path=/models/t"], "data.train_file"),
+        (["data.train_file=/data/chat.jsonl"], "model.target_path"),
+    ],
+)
+def test_recipe_without_its_target_or_data_is_refused_naming_the_keys(machine, missing, tmp_path):
+    result = run_trainer(
+        "--run", "qwen3-8b", "--out", str(tmp_path / "out"), "--set", f"data.cache_dir={tmp_path / 'cache'}",
+        *[arg for item in machine for arg in ("--set", item)],
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert f"needs {missing} from the machine config" in result.stderr
+    assert "trainer.data.embedded --shape qwen3-8b" in result.stderr, "the way out without real weights"
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists(), "nothing written"
 
 
 def test_nographs_profile_is_threaded_compiled_without_cuda_graphs_logging_to_its_own_name():
