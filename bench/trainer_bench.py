@@ -79,7 +79,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from trainer.config import TrainConfig, load_config
+from trainer.config import load_config
+from trainer.data.embedded import TARGET_SHAPES
 from trainer.data.rows import pack, valid_anchor_count
 from trainer.model.drafter import target_layer_ids
 from trainer.parallel.replica import Replica
@@ -108,11 +109,23 @@ class Shape:
     batch: int  # sequences per GPU per step
 
 
+def recipe_shape(run: str = "qwen3-8b", target: str = "qwen3-8b") -> Shape:
+    """What the product trains: the run profile's rows, drafter and anchors, over a target of the
+    layout `python -m trainer.data.embedded --shape` builds (one source for both)."""
+    cfg = load_config(run, sets=["model.target_path=-", "data.train_file=-"])
+    t, d = TARGET_SHAPES[target], cfg.drafter
+    return Shape(
+        t["hidden_size"], t["num_hidden_layers"], t["num_attention_heads"], t["num_key_value_heads"],
+        t["head_dim"], t["intermediate_size"], t["vocab_size"], d.num_layers, d.num_context_layers,
+        d.block_size, d.num_anchors, cfg.train.seq_len, cfg.train.batch_size,
+    )  # fmt: skip
+
+
 SHAPES = {
-    # Qwen3-8B: hidden 4096, 36 layers, 32 heads, 8 KV heads, head dim 128, intermediate 12288; rows
-    # of 3,072 tokens, as many a GPU per step as the trainer's default train.batch_size (8: 82.8 GiB
-    # at the peak on an H200; docs/PERFORMANCE.md gives 1, 2 and 4 rows too).
-    "8b": Shape(4096, 36, 32, 8, 128, 12288, 151936, 5, 5, 16, 512, 3072, TrainConfig.batch_size),
+    # The qwen3-8b recipe (trainer/runs/qwen3-8b.yml) over Qwen3-8B's layout: hidden 4096, 36 layers,
+    # 32 heads, 8 KV heads, head dim 128, intermediate 12288; rows of 3,072 tokens, 8 a GPU per step
+    # (82.8 GiB at the peak on an H200; docs/PERFORMANCE.md gives 1, 2 and 4 rows too).
+    "8b": recipe_shape(),
     "small": Shape(1024, 12, 16, 8, 64, 3072, 32768, 2, 3, 16, 128, 1024, 4),
     "tiny": Shape(64, 6, 4, 2, 16, 192, 512, 2, 3, 8, 8, 64, 2),
 }

@@ -65,3 +65,27 @@ def test_chat_lengths_run_padded_and_packed_side_by_side(tmp_path: Path) -> None
     epoch_line = f"eager chat-packed ({packed['anchors']} anchors a row): an epoch of the chat mix takes "
     assert epoch_line in result.stdout
     assert "eager chat-packed-per-conversation (" in result.stdout
+
+
+@pytest.mark.unit
+def test_the_8b_shape_is_what_the_recipe_profile_trains() -> None:
+    """The bench and the product train the same thing: the 8b shape comes from trainer/runs/qwen3-8b.yml
+    and the layout of the target python -m trainer.data.embedded --shape qwen3-8b builds."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from trainer_bench import SHAPES
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from trainer.config import load_config
+    from trainer.data.embedded import TARGET_SHAPES
+
+    cfg = load_config("qwen3-8b", sets=["model.target_path=/t", "data.train_file=/d"])
+    shape, target = SHAPES["8b"], TARGET_SHAPES["qwen3-8b"]
+    assert (shape.seq_len, shape.batch, shape.anchors, shape.block) == (
+        cfg.train.seq_len, cfg.train.batch_size, cfg.drafter.num_anchors, cfg.drafter.block_size
+    )
+    drafter = cfg.drafter
+    assert (shape.drafter_layers, shape.context_layers) == (drafter.num_layers, drafter.num_context_layers)
+    assert (shape.hidden, shape.layers, shape.vocab) == (
+        target["hidden_size"], target["num_hidden_layers"], target["vocab_size"]
+    )
