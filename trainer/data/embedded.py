@@ -89,7 +89,12 @@ TARGET_SHAPES = {
     },
     # The same layout, small enough for a CPU (8 layers: enough for the recipe's 5 context layers):
     # what the tests build through the same code.
-    "qwen3-tiny": {**TARGET_SIZE, "num_hidden_layers": 8, "vocab_size": 4096},
+    "qwen3-tiny": {
+        **TARGET_SIZE,
+        "num_hidden_layers": 8,
+        "max_position_embeddings": 8192,
+        "vocab_size": 4096,
+    },
 }
 # The synthetic chat mix: lognormal turn lengths in tokens (median, sigma), capped; a share of
 # conversations has a second exchange. Regeneration replaces the assistant turns anyway; their
