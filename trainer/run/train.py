@@ -14,6 +14,7 @@ log; sinks.py), and the stop decision and the evaluation's outcome hold on every
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import signal
 import socket
@@ -258,13 +259,16 @@ def load_data(cfg: Config, models: Models, place: Placement, out: Output, should
     except DataError as exc:
         raise BadInput(f"{models.train_file}: {exc}") from None
     rows = "packed" if t.packing else "padded, one conversation each"
+    global_batch = t.batch_size * place.workers
     out.line(
         f"data: {store.conversations} training conversations in {train_set.rows} rows of {t.seq_len} "
         f"tokens ({rows}; {train_set.real_token_share():.0%} real tokens, the rest padding), "
         f"{train_set.cut} cut to train.seq_len, {train_set.supervised_fraction():.0%} of tokens "
-        f"supervised, {len(prompts)} held-out prompts; target layers {models.layer_ids}"
+        f"supervised, {len(prompts)} held-out prompts; target layers {models.layer_ids}; one epoch is "
+        f"{math.ceil(train_set.rows / global_batch):,} steps of {global_batch} rows "
+        f"(train.steps {t.steps:,}: {t.steps * global_batch / max(train_set.rows, 1):.2f} epochs)"
     )
-    return Loader(train_set, t.batch_size * place.workers, t.seed), prompts
+    return Loader(train_set, global_batch, t.seed), prompts
 
 
 def regenerated_examples(cfg: Config, models: Models, place: Placement, out: Output, should_stop):
@@ -284,9 +288,29 @@ def regenerated_examples(cfg: Config, models: Models, place: Placement, out: Out
     targets = [replica.target for replica in models.replicas]
     out_dir = getattr(out, "out_dir", None)  # where this process writes the run's files, if it does
     prepared = prepare_data(cfg, source, targets, place.world, out, should_stop, out_dir)
+    release_data_stage_memory(place.devices, out)
     if prepared is None:
         return None
     return prepared.examples, prepared.eval_prompts, prepared.key
+
+
+def release_data_stage_memory(devices: list[torch.device], out: Output) -> None:
+    """Give the GPU memory the regeneration held (its KV caches, its compiled decode's buffers) back
+    before training allocates its own, and say what is left and what the stage took at its peak."""
+    if devices[0].type != "cuda":
+        return
+    gc.collect()
+    for device in dict.fromkeys(devices):
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.empty_cache()
+        in_use = torch.cuda.memory_allocated(device) / 2**30
+        reserved = torch.cuda.memory_reserved(device) / 2**30
+        out.line(
+            f"data: GPU memory on {device} after the data stage: {in_use:.1f} GiB in use, {reserved:.1f} "
+            f"GiB held (peak {peak:.1f} GiB)"
+        )
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 class Run:
@@ -411,6 +435,9 @@ class Run:
             f"eta {format_eta(eta)}"
         )
         row = {"kind": "train", "step": step, "loss": loss, "lr": lr, **window}
+        device = self.models.replicas[0].device
+        if device.type == "cuda":  # the training stage's peak so far (the data stage's is logged apart)
+            row["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         self.out.metric({**row, "elapsed_s": elapsed})
         self.warn_about_recompiles()
 
