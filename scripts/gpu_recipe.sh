@@ -1,0 +1,190 @@
+#!/usr/bin/env bash
+# The real recipe end to end on a GPU machine that plays CT 200 (inventory/gpu: local connection,
+# GPUs required, the real nvidia-smi), through the playbooks, on a Qwen3-8B-shaped target with random
+# weights (python -m trainer.data.embedded) and a synthetic long-tailed chat set:
+#   data:  build the target and the chat set; regen.yml -e run=qwen3-8b (the product's regeneration
+#          stage), status.yml while it regenerates and after; the regenerated shards as one archive
+#          in $OUT (regenerated.tgz), for a second machine.
+#   train: launch.yml -e run=qwen3-8b (the token store, packed rows of 3,072 tokens, training),
+#          status.yml, stop.yml (a checkpoint), launch.yml -e resume=true, the run to its last step,
+#          status.yml, export.yml, and the export loaded by the reference dflash package
+#          (scripts/dflash_reference_check.py: greedy decoding lossless, its acceptance length).
+# Usage: scripts/gpu_recipe.sh data|train|all
+# Each stage fits a device call of ten minutes (data about 7, train about 9 on one H200: most of
+# both is compiling); `all` is both in one go. A stage finds what the one before left in $RECIPE_DIR
+# (default /tmp/dflash-recipe: on a machine that stayed warm between two calls), else rebuilds the
+# target (the same weights: a fixed seed and a fixed file time, so the regeneration's key is the
+# same) and unpacks $REGENERATED (default .e2e/regenerated.tgz, carried from the data stage's $OUT).
+# Every figure it prints comes from the product's own lines (the log, status, the run record).
+# Every process it starts is ended by PID, also on failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGE=${1:?usage: scripts/gpu_recipe.sh data|train|all}
+OUT=${OUT:-/tmp/gpu_recipe}
+RECIPE_DIR=${RECIPE_DIR:-/tmp/dflash-recipe}
+STATE=$RECIPE_DIR/state
+MODEL=$RECIPE_DIR/model
+CONVERSATIONS=${CONVERSATIONS:-2048}
+NEW_TOKENS=${NEW_TOKENS:-256}
+# The product's default compiles the regeneration's decode step: a cold compile of each prompt width
+# of a long-tailed set takes minutes (docs/PERFORMANCE.md), more than a short data set's decoding;
+# REGEN_COMPILE=false decodes eagerly, for an end to end within a ten-minute call.
+REGEN_COMPILE=${REGEN_COMPILE:-true}
+STEPS=${STEPS:-16}
+# How long the data stage may regenerate before it stops the run (the finished shards are kept, and
+# the train stage's launch regenerates the rest): a device call has ten minutes.
+REGEN_BUDGET_S=${REGEN_BUDGET_S:-420}
+REGENERATED=${REGENERATED:-.e2e/regenerated.tgz}
+# A rehearsal on a machine without a GPU: SHAPE=qwen3-tiny BUILD_DEVICE=cpu INVENTORY=inventory/local.
+SHAPE=${SHAPE:-qwen3-8b}
+BUILD_DEVICE=${BUILD_DEVICE:-cuda}
+INVENTORY=${INVENTORY:-inventory/gpu}
+mkdir -p "$OUT" "$STATE"
+export ANSIBLE_CONFIG="$PWD/ansible.cfg" PYTHONUNBUFFERED=1
+export ANSIBLE_CACHE_PLUGIN_CONNECTION="$STATE/facts"
+VARS=$RECIPE_DIR/vars.json
+stage_started=$SECONDS
+
+cleanup() {
+    ansible-playbook -i "$INVENTORY" -e "dflash_state_dir=$STATE" -e "@$VARS" playbooks/stop.yml >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+
+say() { echo "[$(date -u +%H:%M:%S) +$((SECONDS - stage_started))s] $*"; }
+
+playbook() {  # playbook NAME LOG [ansible-playbook args...]
+    local name=$1 log=$2
+    shift 2
+    local started=$SECONDS rc=0
+    ansible-playbook -i "$INVENTORY" -e "dflash_state_dir=$STATE" -e "@$VARS" "playbooks/$name.yml" "$@" \
+        >"$OUT/$log" 2>&1 || rc=$?
+    say "$name.yml $* rc=$rc in $((SECONDS - started)) s (log: $log)"
+    return $rc
+}
+
+# The machine config (the model and data keys the recipe needs) and the run's lengths for a short
+# end to end: 16 steps, checkpoints at the stop and at the end (one kept, and the best tau's), tau on
+# 4 prompts.
+write_vars() {
+    python3 - "$VARS" "$MODEL" "$NEW_TOKENS" "$REGEN_COMPILE" <<'EOF'
+import json, sys
+path, model, new_tokens, regen_compile = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "true"
+json.dump({
+    "dflash_machine": {
+        "model": {"target_path": f"{model}/target", "dtype": "bfloat16"},
+        "data": {
+            "train_file": f"{model}/chat.jsonl", "regen_max_new_tokens": new_tokens, "regen_compile": regen_compile,
+        },
+        "parallel": {"devices": "auto"},
+    },
+    "workspace_trainer_set": [
+        "train.log_every=4", "train.eval_every=0", "train.eval_prompts=4", "train.eval_max_new_tokens=64",
+        "train.checkpoint_every=0", "train.checkpoint_every_s=0", "train.keep_checkpoints=1",
+    ],
+}, open(path, "w"), indent=1)
+EOF
+}
+
+build_model() {
+    say "target and data: python -m trainer.data.embedded --shape $SHAPE (random weights, on $BUILD_DEVICE)"
+    python3 -m trainer.data.embedded --shape "$SHAPE" --out "$MODEL" --conversations "$CONVERSATIONS" \
+        --device "$BUILD_DEVICE" \
+        2>&1 | grep -v "Writing model shards" | tee "$OUT/build_model.log"
+    # A fixed time on the weights: the regeneration's key fingerprints large files by name, size and
+    # time, so a machine that rebuilds the same weights finds the shards the data stage made.
+    touch -d @1764720000 "$MODEL"/target/*
+    du -sh "$MODEL/target" "$MODEL/chat.jsonl" | sed 's/^/   /'
+}
+
+gpus() { nvidia-smi --query-gpu=index,name,memory.used,utilization.gpu --format=csv,noheader 2>/dev/null || echo none; }
+
+status_lines() {  # status_lines LOG: the report's lines that say where the run is
+    grep -E "ct200: |progress|regen|ckpt|tau|GPU [0-9]|stage" "$OUT/$1" | grep -v "TASK\|PLAY" | head -12 | sed 's/^/   /'
+}
+
+recorded_state() {  # the run record's state on the target (the truth status reads)
+    python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r.get("state"), r.get("exit_reason", ""))' \
+        "$STATE/workspace/runs/qwen3-8b/run.json" 2>/dev/null || echo "none"
+}
+
+wait_for_end() {  # wait_for_end SECONDS: until the run record leaves `running`; 1 if it did not
+    local deadline=$((SECONDS + $1))
+    while [ $SECONDS -lt $deadline ]; do
+        case "$(recorded_state)" in running*|starting*) sleep 5 ;; *) return 0 ;; esac
+    done
+    say "still $(recorded_state) after $1 s"
+    return 1
+}
+
+stage_data() {
+    build_model
+    say "regen.yml -e run=qwen3-8b: $CONVERSATIONS conversations, up to $NEW_TOKENS new tokens an answer"
+    local began=$SECONDS
+    playbook regen regen.log -e run=qwen3-8b
+    sleep 45
+    playbook status status_regen.log
+    status_lines status_regen.log
+    gpus | sed 's/^/   GPU /'
+    if ! wait_for_end $((REGEN_BUDGET_S - (SECONDS - began))); then
+        playbook stop stop_regen.log || true
+        say "stopped for the call's time; the finished shards are kept for the train stage"
+    fi
+    say "run record: $(recorded_state)"
+    playbook status status_regen_done.log
+    status_lines status_regen_done.log
+    log=$STATE/workspace/train_qwen3-8b.log
+    grep -E "^regen|^data|compil|GPU memory" "$log" | tail -n 12 | sed 's/^/   /'
+    cp "$log" "$OUT/regen_train_qwen3-8b.log"
+    tar czf "$OUT/regenerated.tgz" -C "$STATE/workspace/cache" regenerated
+    say "regenerated shards: $(du -sh "$OUT/regenerated.tgz" | cut -f1) in regenerated.tgz"
+}
+
+stage_train() {
+    if [ ! -d "$STATE/workspace/cache/regenerated" ] && [ -f "$REGENERATED" ]; then
+        mkdir -p "$STATE/workspace/cache"
+        tar xzf "$REGENERATED" -C "$STATE/workspace/cache"
+        say "regenerated shards unpacked from $REGENERATED"
+    fi
+    build_model
+    log=$STATE/workspace/train_qwen3-8b.log
+    playbook launch launch.log -e run=qwen3-8b -e "steps=$STEPS"
+    grep -E "PID|first progress" "$OUT/launch.log" | head -3 | sed 's/^/   /'
+    grep -E "^data|^drafter|compiled and warmed|^step|regen" "$log" | head -16 | sed 's/^/   /'
+    playbook status status_train.log
+    status_lines status_train.log
+    gpus | sed 's/^/   GPU /'
+    playbook stop stop.log
+    grep -E "stopped|checkpoint" "$OUT/stop.log" | head -4 | sed 's/^/   /'
+    grep -E "^checkpoint" "$log" | tail -n 3 | sed 's/^/   /'
+    ls -la "$STATE/workspace/runs/qwen3-8b/checkpoints" | sed 's/^/   /'
+    playbook launch resume.log -e run=qwen3-8b -e resume=true
+    grep -E "PID|first progress" "$OUT/resume.log" | head -3 | sed 's/^/   /'
+    grep -m1 "resumed from" "$log" | sed 's/^/   /'
+    wait_for_end 300 || true
+    say "run record: $(recorded_state)"
+    case "$(recorded_state)" in finished*) ;; *) say "FAIL: the resumed run did not finish"; exit 1 ;; esac
+    playbook status status_done.log
+    status_lines status_done.log
+    grep -E "^step|^eval|^checkpoint|^done" "$log" | tail -n 14 | sed 's/^/   /'
+    ls -la "$STATE/workspace/runs/qwen3-8b/checkpoints" | sed 's/^/   /'
+    cp "$log" "$OUT/train_qwen3-8b.log"
+    local exports=$RECIPE_DIR/exports
+    playbook export export.log -e run=qwen3-8b -e "dest=$exports"
+    grep -E "export|drafter|step" "$OUT/export.log" | grep -v TASK | head -4 | sed 's/^/   /'
+    local exported
+    exported=$(find "$exports" -name config.json -printf '%h\n' | head -1)
+    say "reference check of $exported"
+    python3 scripts/dflash_reference_check.py "$exported" "$MODEL/target" "$MODEL/chat.jsonl" --prompts 4 \
+        --device "$BUILD_DEVICE" \
+        2>&1 | tee "$OUT/reference_check.log" | tail -n 8 | sed 's/^/   /'
+}
+
+write_vars
+say "GPUs: $(gpus | tr '\n' ';') disk: $(df -h /tmp | tail -1)"
+case "$STAGE" in
+    data) stage_data ;;
+    train) stage_train ;;
+    all) stage_data; stage_train ;;
+    *) echo "usage: scripts/gpu_recipe.sh data|train|all" >&2; exit 2 ;;
+esac
+say "== $STAGE done"
