@@ -55,6 +55,8 @@ def load(directory: Path) -> tuple[int, int]:
         try:
             info = torch.compiler.load_cache_artifacts(bundle.read_bytes())
         except Exception:  # a bundle torch cannot read is only a slower start: compile instead
+            info = None
+        if info is None:  # torch refused it (it says why in a warning)
             skipped += 1
             continue
         loaded += artifact_count(info)
