@@ -288,8 +288,8 @@ def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> lis
 
     device = next(target.parameters()).device
     compiled = settings.compile and device.type == "cuda"
-    # Uncompiled (several worker threads: Dynamo is not thread safe) the dynamic cache is the faster
-    # one (H200: 775 tok/s dynamic; the static cache pays off once compiled, 1,366).
+    # Uncompiled (data.regen_compile: false) the dynamic cache is the faster one (H200: 775 tok/s
+    # dynamic; the static cache pays off once compiled, 1,366).
     cache = "static" if settings.compile else None
     config = GenerationConfig(
         max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=chat.end_id,
