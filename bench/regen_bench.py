@@ -4,6 +4,8 @@ product runs it, side by side on one device, on a Qwen3-shaped target with rando
     python bench/regen_bench.py --shape 8b                      # one H200: 512 prompts x 256 new tokens
     python bench/regen_bench.py --shape 8b --rows static,continuous --batch-size 128,256
     python bench/regen_bench.py --shape 8b --rows static --profile   # where a static pass's time goes
+    python bench/regen_bench.py --shape 8b --rows static --warm --compile-cache out/regen-compile
+    python bench/regen_bench.py --shape 8b --rows workers --workers 1,2 --compile-cache out/regen-compile
     python bench/regen_bench.py --shape tiny                    # CPU: checks the harness only
 
 Prompts have long-tailed lengths (log-normal, median --median, 16..1500 tokens), like chat data.
@@ -16,6 +18,13 @@ Rows:
               batches of at most --batch-size (fewer for long prompts: --batch-tokens), widths padded to
               --min-width x 2^k: data.regen_engine=static, the product's default; timed twice (the
               first pass compiles every new shape), then the second pass's time per width
+  workers     the product's stage machinery (trainer/data/regen_worker.py): N worker processes on the
+              one device, the prompts split N ways (prompt i to worker i mod N), each building the
+              target and compiling over the compile cache, timed twice; one row per --workers entry
+--warm: after the rows, a fresh process over the same compile cache (--compile-cache, default a new
+temporary directory, so the first compile is cold) runs the static pass twice: its first pass is
+what a restart or the next GPU's worker pays. The static row's pass 1 is the cold figure, its pass 2
+the steady one.
 Per row: generated tokens/s, conversations/s, peak device memory, and the memory-bound limit of the
 workload: sequences in flight x bandwidth / bytes read per decode step (the weights once, plus the
 KV cache of every sequence in flight at its mean length).
@@ -27,9 +36,12 @@ import argparse
 import contextlib
 import math
 import random
+import re
 import resource
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +52,8 @@ from bench.trainer_bench import SHAPES, build_target
 from trainer.config import DataConfig
 from trainer.data.chat import Example, regenerate
 from trainer.data.regen import RegenSettings, continuous_generate, static_generate
+from trainer.data.regen_worker import Job, run_worker_processes
+from trainer.model import compile_cache
 
 END_ID = 2  # a token a random target rarely picks: answers run to --new-tokens, as real ones often do
 PAD_ID = 0
@@ -158,6 +172,77 @@ def today(target, prompts, new_tokens, device):
     return [e.turns[1][1] for e in done]
 
 
+@dataclass
+class BenchJob(Job):
+    """A worker process of the workers row (and of --warm): its share of the prompts through the
+    static engine, over the compile cache, timed `passes` times; results as log lines."""
+
+    shape: str = "tiny"
+    prompts: list = field(default_factory=list)
+    settings: RegenSettings = field(default_factory=RegenSettings)
+    compile_dir: str = ""
+    passes: int = 2
+
+    def run(self, send, should_stop) -> bool:
+        began = time.perf_counter()
+        device = torch.device(self.device)
+        if device.type == "cpu":
+            torch.set_num_threads(1)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        target = build_target(SHAPES[self.shape], device, dtype)
+        target.generation_config.eos_token_id = None
+        send({"line": f"target built in {time.perf_counter() - began:.1f} s"})
+        cache = compile_cache.persisted(Path(self.compile_dir), lambda text: send({"line": text}))
+        with cache, torch.no_grad():
+            for attempt in range(1, self.passes + 1):
+                synchronize(device)
+                began = time.perf_counter()
+                chat = BenchChat()
+                answers = static_generate(target, self.prompts, self.settings, chat, PAD_ID, should_stop)
+                synchronize(device)
+                seconds, tokens = time.perf_counter() - began, sum(map(len, answers))
+                done = f"pass {attempt}: {len(self.prompts)} prompts {seconds:.2f} s {tokens} tokens"
+                send({"line": done})
+        return True
+
+
+def worker_rows(prompts, settings, workers: int, shape: str, device, compile_dir: Path, passes: int,
+                name: str) -> None:  # fmt: skip
+    """`workers` fresh worker processes on `device`, the prompts split between them: each pass's
+    tokens/s counts every worker's tokens over the slowest worker's time."""
+    from bench.regen_bench import BenchJob as Importable  # pickled by a name the workers can import
+
+    jobs = [
+        Importable(str(device), str(compile_dir), shape, prompts[n::workers], settings, str(compile_dir),
+                   passes)
+        for n in range(workers)
+    ]
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        print(f"    {line}", flush=True)
+
+    began = time.perf_counter()
+    run_worker_processes(jobs, NoProgress(), lambda: False, lambda: None, 3600.0, log)
+    wall = time.perf_counter() - began
+    for attempt in range(1, passes + 1):
+        found = [re.search(rf"pass {attempt}: \d+ prompts ([\d.]+) s (\d+) tokens", line) for line in lines]
+        done = [(float(m[1]), int(m[2])) for m in found if m]
+        seconds, tokens = max(s for s, _ in done), sum(t for _, t in done)
+        print(
+            f"{name} pass {attempt:<6d} {len(prompts):5d} prompts {seconds:8.1f} s {tokens:8d} tokens "
+            f"{tokens / seconds:9.0f} tok/s {len(prompts) / seconds:7.2f} conv/s",
+            flush=True,
+        )
+    print(f"{name} wall {wall:.1f} s from the processes' start to their end", flush=True)
+
+
+class NoProgress:
+    def add(self, conversations: int, tokens: int) -> None:
+        pass
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=["8b", "tiny"], default="8b")
@@ -188,20 +273,19 @@ def main() -> int:
     parser.add_argument(
         "--bandwidth-tbs", type=float, default=4.8, help="device memory bandwidth (H200: 4.8)"
     )
+    parser.add_argument("--workers", default="2", help="workers row: worker processes, a comma list")
+    parser.add_argument("--warm", action="store_true", help="then a fresh process over the compile cache")
+    parser.add_argument("--compile-cache", help="compile cache root (default: a new temporary directory)")
     args = parser.parse_args()
     count, new_tokens, median, today_count = DEFAULTS[args.shape]
     count, new_tokens = args.prompts or count, args.new_tokens or new_tokens
     median, today_count = args.median or median, args.today_prompts or today_count
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cpu":
-        torch.set_num_threads(1)
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {device}, shape {args.shape}")
-    target = build_target(SHAPES[args.shape], device, dtype)
-    target.generation_config.eos_token_id = None
-    prompts = make_prompts(count, median, target.config.vocab_size)
+    vocab = SHAPES[args.shape].vocab
+    prompts = make_prompts(count, median, vocab)
     lengths = sorted(map(len, prompts))
     print(
         f"{count} prompts, lengths median {lengths[len(lengths) // 2]} max {lengths[-1]}; "
@@ -215,23 +299,47 @@ def main() -> int:
             min_width=args.min_width, compile=not args.no_compile,
         )  # fmt: skip
 
+    root = Path(args.compile_cache or tempfile.mkdtemp(prefix="regen-compile-")).absolute()
+    compile_dir = compile_cache.cache_directory(root, device)
+    rows = args.rows.split(",")
+    unknown = set(rows) - {"today", "continuous", "static", "workers", ""}
+    if unknown:
+        parser.error(f"unknown row {sorted(unknown)[0]!r}; rows are today, continuous, static, workers")
+    if set(rows) & {"today", "continuous", "static"}:
+        with compile_cache.persisted(compile_dir, print):
+            in_process_rows(args, rows, prompts, device, settings_for, batch_sizes, new_tokens, today_count)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    settings = settings_for(batch_sizes[0])
+    if "workers" in rows:
+        for workers in [int(n) for n in args.workers.split(",")]:
+            print(f"workers: {workers} process(es) on {device}, compile cache {compile_dir}", flush=True)
+            worker_rows(prompts, settings, workers, args.shape, device, compile_dir, 2, f"workers x{workers}")
+    if args.warm:
+        print(f"warm: a fresh process over the compile cache {compile_dir}", flush=True)
+        worker_rows(prompts, settings, 1, args.shape, device, compile_dir, 2, "warm (fresh process)")
+    return 0
+
+
+def in_process_rows(args, rows, prompts, device, settings_for, batch_sizes, new_tokens, today_count) -> None:
+    """The rows that run in this process: today, continuous, static (see the module's docstring)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    target = build_target(SHAPES[args.shape], device, dtype)
+    target.generation_config.eos_token_id = None
     settings = settings_for(batch_sizes[0])
 
     def never() -> bool:
         return False
 
     with torch.no_grad():
-        for row in args.rows.split(","):
+        for row in rows:
             if row == "today":
                 subset = prompts[:today_count]
                 limit = memory_bound_tokens_per_s(target, subset, new_tokens, 1, args.bandwidth_tbs)
-                timed(
-                    "today (chat.regenerate)",
-                    device,
-                    lambda subset=subset: today(target, subset, new_tokens, device),
-                    subset,
-                    limit,
-                )
+                run = lambda subset=subset: today(target, subset, new_tokens, device)  # noqa: E731
+                timed("today (chat.regenerate)", device, run, subset, limit)
             elif row == "continuous":
                 limit = memory_bound_tokens_per_s(
                     target, prompts, new_tokens, len(prompts), args.bandwidth_tbs
@@ -255,9 +363,6 @@ def main() -> int:
                             timed(name, device, run, prompts, limit, args.profile and attempt == 2)
                         if attempt == 2:
                             print_batches(batches)
-            else:
-                parser.error(f"unknown row {row!r}; rows are today, continuous, static")
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
 import os
-import sys
-import traceback
 from pathlib import Path
 
 from .config import ConfigError, load_config
+from .exits import ended, error_line, fail, guarded
+
+__all__ = ["ended", "error_line", "fail", "main", "parse_args"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,12 +34,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--data-only", action="store_true", help="prepare the data (regenerate it) and exit without training"
     )
     return parser.parse_args(argv)
-
-
-def fail(problems: list[str]) -> int:
-    for problem in problems:
-        print(f"error: {problem}", file=sys.stderr, flush=True)
-    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,57 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         # A normal run names the first problem in one line (--check lists them all).
         return ended(out_dir, fail(problems[:1]), f"bad input: {problems[0]}")
 
-    from .parallel.topology import WorkerFailed
-    from .run.checkpoint import CheckpointWriteError
-    from .run.train import BadInput, Diverged, train
+    if args.data_only:
+        from .regen import regenerate
 
-    try:
-        if args.data_only:
-            from .regen import regenerate
+        return guarded(out_dir, lambda: regenerate(cfg, out_dir, None))
+    from .run.train import train
 
-            return regenerate(cfg, out_dir, None)
-        return train(cfg, out_dir, args.resume)
-    except Diverged as exc:
-        return ended(out_dir, fail([f"diverged: {exc}"]), f"diverged: {exc}")
-    except BadInput as exc:
-        return ended(out_dir, fail([str(exc)]), f"bad input: {exc}")
-    except CheckpointWriteError as exc:
-        return ended(out_dir, error_line(str(exc)), str(exc))
-    except WorkerFailed as exc:
-        print(
-            f"error: worker {exc.rank} failed; the run stopped. Its traceback:\n{exc.trace}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return ended(out_dir, 1, f"crashed: worker {exc.rank} failed")
-    except OSError as exc:
-        if exc.errno != errno.ENOSPC:
-            traceback.print_exc()
-            return ended(out_dir, 1, f"crashed: {exc}")
-        from .run.runrecord import checkpoints
-
-        intact = checkpoints(out_dir)
-        last = f"{intact[-1][1]} (step {intact[-1][0]})" if intact else "none"
-        where = exc.filename or out_dir
-        message = f"disk full writing {where}: {exc.strerror}; the last intact checkpoint is {last}"
-        return ended(out_dir, error_line(message), message)
-    except Exception as exc:
-        traceback.print_exc()
-        return ended(out_dir, 1, f"crashed: {type(exc).__name__}: {exc}")
-
-
-def error_line(message: str) -> int:
-    """One `error: ...` line (the log may be on the full disk itself: then stderr is all there is); exit 1."""
-    with contextlib.suppress(OSError):
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    return 1
-
-
-def ended(out_dir: Path, code: int, reason: str) -> int:
-    """Note how the run ended in its record (trainer/run/runrecord.py): one process per host writes it."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        from .run.runrecord import note, utc_now
-
-        state = "failed" if code == 2 else "crashed"
-        note(out_dir, state=state, exit_status=code, exit_reason=reason, ended_at=utc_now())
-    return code
+    return guarded(out_dir, lambda: train(cfg, out_dir, args.resume))

@@ -305,8 +305,8 @@ class DataConfig:
     ...), so only a few shapes compile; a batch that is not full is filled up when compiled. With
     flex attention widths start at 128 at least (a shorter prefill has no flex kernel on CUDA)."""
     regen_compile: bool = True
-    """Static engine on CUDA: compile the decode step (transformers' own auto-compile). With several
-    worker threads it is off: Dynamo is not thread safe (docs/ARCHITECTURE.md)."""
+    """Static engine on CUDA: compile the decode step (transformers' own auto-compile), in every
+    worker process (one per device), over the compile cache under data.cache_dir (docs/DATA.md)."""
     regen_attention: str = "auto"
     """Static engine: the attention the target decodes with ('auto', 'sdpa', 'flex_attention',
     'eager'). 'auto' is flex attention when compiled on CUDA (it reads the grouped-query KV cache

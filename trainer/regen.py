@@ -13,8 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli import fail
 from .config import ConfigError, load_config
+from .exits import error_line, fail
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--out {args.out} is a directory; give a file name for the chat JSONL")
     if problems:
         return fail(problems[:1])
+    from .data.regen_worker import RegenWorkerFailed
     from .run.resume import BadInput
 
     run_dir = Path(args.dir or f"runs/{args.run}").expanduser().absolute()
@@ -50,50 +51,20 @@ def main(argv: list[str] | None = None) -> int:
         return regenerate(cfg, run_dir, Path(args.out).expanduser() if args.out else None)
     except BadInput as exc:
         return fail([str(exc)])
+    except RegenWorkerFailed as exc:
+        return error_line(str(exc))
 
 
 def regenerate(cfg, run_dir: Path, chat_out: Path | None) -> int:
-    import torch
-
-    from .data.chat import ChatFormat
     from .data.regen import export_chat_jsonl
-    from .model.target import load_target, load_tokenizer
-    from .parallel.process import ProcessSetupError, ProcessWorld, launched_by_torchrun
-    from .parallel.topology import ThreadedWorld
-    from .run.environment import resolve_devices
-    from .run.regen import DataSource, prepare_data
-    from .run.resume import BadInput
-    from .run.sinks import ConsoleOutput, SilentOutput
-    from .run.train import StopFlag, target_and_data_paths
+    from .run.train import StopFlag
 
-    devices = resolve_devices(cfg.parallel.devices)
-    if cfg.parallel.cpu_threads:
-        torch.set_num_threads(cfg.parallel.cpu_threads)
-    if cfg.run.topology == "process" and launched_by_torchrun():
-        try:
-            world = ProcessWorld(devices, cfg.parallel.step_timeout_s)
-        except ProcessSetupError as exc:
-            raise BadInput(str(exc)) from None
-        devices = [world.device]
-    else:
-        world = ThreadedWorld()
-        if devices == [torch.device("cpu")]:
-            devices = devices * cfg.parallel.cpu_workers
-    out = ConsoleOutput() if world.local_rank == 0 else SilentOutput()
-    out.out_dir = run_dir if world.is_lead else None
-    if world.is_lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    world, devices = world_and_devices(cfg)
+    out = output_of(world, run_dir)
     stop = StopFlag()
     stop.install()
     try:
-        target_path, train_file = target_and_data_paths(cfg, world)
-        tokenizer_path = (
-            Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else target_path
-        )
-        tokenizer = load_tokenizer(tokenizer_path)
-        source = DataSource(train_file, target_path, tokenizer_path, tokenizer, ChatFormat(tokenizer))
-        targets = [load_target(target_path, device, cfg.model.dtype) for device in devices]
-        prepared = prepare_data(cfg, source, targets, world, out, stop, out.out_dir)
+        prepared, tokenizer = prepare(cfg, world, devices, out, stop)
         if prepared is None:
             out.line("stopped: run the same command again to continue")
             ended(world, run_dir, "stopped", "stopped during the regeneration; the finished shards are kept")
@@ -103,16 +74,68 @@ def regenerate(cfg, run_dir: Path, chat_out: Path | None) -> int:
             count = export_chat_jsonl(prepared.index, examples, tokenizer, chat_out)
             out.line(f"data: wrote {count:,} regenerated conversations to {chat_out}")
         world.any(False)  # no rank leaves before the file is written
-        ended(
-            world,
-            run_dir,
-            "finished",
-            f"data ready: {len(prepared.index):,} conversations (key {prepared.key})",
-        )
+        reason = f"data ready: {len(prepared.index):,} conversations (key {prepared.key})"
+        ended(world, run_dir, "finished", reason)
         return 0
     finally:
         stop.uninstall(ignore_late_signals=cfg.run.topology == "process" and launched_by_torchrun())
         world.close()
+
+
+def launched_by_torchrun() -> bool:
+    from .parallel.process import launched_by_torchrun as under_torchrun
+
+    return under_torchrun()
+
+
+def world_and_devices(cfg):
+    """(this process's place among the ranks, its devices): under torchrun its rank's device; else
+    every device of parallel.devices (a CPU counted parallel.cpu_workers times)."""
+    import torch
+
+    from .parallel.process import ProcessSetupError, ProcessWorld
+    from .parallel.topology import ThreadedWorld
+    from .run.environment import resolve_devices
+    from .run.resume import BadInput
+
+    devices = resolve_devices(cfg.parallel.devices)
+    if cfg.parallel.cpu_threads:
+        torch.set_num_threads(cfg.parallel.cpu_threads)
+    if cfg.run.topology == "process" and launched_by_torchrun():
+        try:
+            world = ProcessWorld(devices, cfg.parallel.step_timeout_s)
+        except ProcessSetupError as exc:
+            raise BadInput(str(exc)) from None
+        return world, [world.device]
+    if devices == [torch.device("cpu")]:
+        devices = devices * cfg.parallel.cpu_workers
+    return ThreadedWorld(), devices
+
+
+def output_of(world, run_dir: Path):
+    from .run.sinks import ConsoleOutput, SilentOutput
+
+    out = ConsoleOutput() if world.local_rank == 0 else SilentOutput()
+    out.out_dir = run_dir if world.is_lead else None
+    if world.is_lead:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def prepare(cfg, world, devices, out, stop):
+    """(the prepared data or None after a stop, the tokenizer). A worker in this process loads the
+    target itself; several devices each get a worker process that does."""
+    from .data.chat import ChatFormat
+    from .model.target import load_tokenizer
+    from .run.regen import DataSource, Engines, prepare_data
+    from .run.train import target_and_data_paths
+
+    target_path, train_file = target_and_data_paths(cfg, world)
+    tokenizer_path = Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else target_path
+    tokenizer = load_tokenizer(tokenizer_path)
+    source = DataSource(train_file, target_path, tokenizer_path, tokenizer, ChatFormat(tokenizer))
+    engines = Engines(devices, target_path, cfg.model.dtype)
+    return prepare_data(cfg, source, engines, world, out, stop, out.out_dir), tokenizer
 
 
 def ended(world, run_dir: Path, state: str, reason: str) -> None:

@@ -380,3 +380,61 @@ def test_batched_tokenizing_equals_tokenizing_message_by_message(tmp_path, embed
     batched = list(tokenize_stream(iter(conversations), chat, chunk=7))
     assert [e.turns for e in batched] == [tokenized(m, chat).turns for m in conversations]
     assert list(tokenize_stream(iter([]), chat)) == []
+
+
+def test_part_full_batches_are_carried_up_into_wider_ones():
+    """Three widths each leaving a part-full batch (3 + 2 + 1 prompts, batches of 4): two batches,
+    the shorter prompts padded up, every prompt once, none wider than its batch."""
+    from trainer.data.regen import rows_per_batch, static_batches
+
+    lengths = [3, 9, 4, 20, 5, 10]
+    prompts = [[7] * n for n in lengths]
+    chosen = settings(batch_size=4)
+    batches = list(static_batches(prompts, chosen))
+    assert len(batches) == 2
+    assert sorted(i for _, batch in batches for i in batch) == list(range(6))
+    for width, batch in batches:
+        assert len(batch) <= rows_per_batch(width, chosen)
+        assert all(lengths[i] <= width for i in batch)
+    assert any(len({lengths[i] > 8 for i in batch}) == 2 for _, batch in batches)  # widths mixed
+
+
+def test_the_fewest_batches_at_the_bench_shape_leave_one_part_full_at_most():
+    """512 long-tailed prompts at the 8B bench's settings: the per-width batching made six batches,
+    four part full; carried up, five, each full at its compiled size."""
+    import math
+    import random
+
+    from trainer.data.regen import compiled_rows, static_batches
+
+    rng = random.Random(0)
+    prompts = [[0] * max(16, min(1500, int(math.exp(rng.gauss(math.log(120), 0.9))))) for _ in range(512)]
+    chosen = RegenSettings(max_new_tokens=256, batch_size=256, batch_tokens=131072, min_width=128)
+    batches = list(static_batches(prompts, chosen))
+    assert len(batches) == 5
+    part_full = [b for w, b in batches if len(b) < compiled_rows(len(b), w, chosen)]
+    assert len(part_full) <= 1
+
+
+def test_answers_of_carried_up_batches_equal_plain_greedy_generate(tiny):
+    """Prompts padded to a wider batch than their own width give plain greedy generate's answers
+    (float32, left padding)."""
+    from trainer.data.regen import bucket_width, static_batches, static_generate
+
+    target, tokenizer, chat = tiny
+    texts = [
+        "count to five", "hi", "name three colours of the rainbow, then three animals that live in the sea",
+        "reverse the word stressed and then spell it backwards",
+    ]  # fmt: skip
+    prompts = [chat.text(t) for t in texts]
+    chosen = settings(batch_size=4)
+    batches = list(static_batches(prompts, chosen))
+    assert len(batches) == 1 and len({bucket_width(len(p), chosen.min_width) for p in prompts}) > 1
+    answers = static_generate(target, prompts, chosen, chat, tokenizer.pad_token_id, lambda: False)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        ids = torch.tensor([prompt])
+        output = target.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+            eos_token_id=chat.end_id, pad_token_id=chat.end_id,
+        )[0, ids.shape[1] :].tolist()  # fmt: skip
+        assert answer == (output[: output.index(chat.end_id)] if chat.end_id in output else output)

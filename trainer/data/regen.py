@@ -219,19 +219,39 @@ def compiled_rows(rows: int, width: int, settings: RegenSettings) -> int:
 
 
 def static_batches(prompts: list[list[int]], settings: RegenSettings) -> Iterator[tuple[int, list[int]]]:
-    """(width, prompt indices) for each batch: prompts sorted by length, grouped by bucketed width
-    (bucket_width), each group cut into batches of rows_per_batch(width)."""
+    """(width, prompt indices) for each batch: the fewest batches, then the fewest cache tokens.
+
+    Prompts are sorted by length and every batch is a run of that order, as wide as its longest
+    prompt's bucket (bucket_width) and at most rows_per_batch(width) rows. A batch costs a decode
+    step per new token whatever its rows, so a width's part-full last batch is carried up into a
+    wider width's batches (its prompts padded further) wherever that saves a batch; among layouts
+    of as few batches, the one reading the fewest cache tokens (filled rows x (width + new
+    tokens)) wins. Left padding leaves greedy answers unchanged (exactly so in float32)."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    first = 0
-    while first < len(order):
-        width = bucket_width(len(prompts[order[first]]), settings.min_width)
-        last = first
-        while last < len(order) and len(prompts[order[last]]) <= width:
-            last += 1
-        rows = rows_per_batch(width, settings)
-        for start in range(first, last, rows):
-            yield width, order[start : min(start + rows, last)]
-        first = last
+    cuts = fewest_batches([len(prompts[i]) for i in order], settings)
+    for start, end in itertools.pairwise(cuts):
+        yield bucket_width(len(prompts[order[end - 1]]), settings.min_width), order[start:end]
+
+
+def fewest_batches(lengths: list[int], settings: RegenSettings) -> list[int]:
+    """Batch boundaries over ascending prompt lengths, [0, ..., len(lengths)]: dynamic programming
+    over where the last batch starts (cost: batches first, then cache tokens). The cheapest cover
+    of the first s prompts never falls as s grows, so among the row counts a batch fills up to the
+    same compiled rows the largest is best: only powers of two (and the width's limit) are tried."""
+    scale = 1 << 40  # one batch outweighs any count of cache tokens
+    best, start_of = [0] * (len(lengths) + 1), [0] * (len(lengths) + 1)
+    for end in range(1, len(lengths) + 1):
+        width = bucket_width(lengths[end - 1], settings.min_width)
+        limit = rows_per_batch(width, settings)
+        row_tokens = width + settings.max_new_tokens
+        sizes = {min(1 << k, limit, end) for k in range(limit.bit_length() + 1)}
+        best[end], start_of[end] = min(
+            (best[end - r] + scale + compiled_rows(r, width, settings) * row_tokens, end - r) for r in sizes
+        )
+    cuts = [len(lengths)]
+    while cuts[-1] > 0:
+        cuts.append(start_of[cuts[-1]])
+    return cuts[::-1]
 
 
 def decode_attention(settings: RegenSettings, compiled: bool) -> str | None:
@@ -268,8 +288,8 @@ def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> lis
 
     device = next(target.parameters()).device
     compiled = settings.compile and device.type == "cuda"
-    # Uncompiled (several worker threads: Dynamo is not thread safe) the dynamic cache is the faster
-    # one (H200: 775 tok/s dynamic; the static cache pays off once compiled, 1,366).
+    # Uncompiled (data.regen_compile: false) the dynamic cache is the faster one (H200: 775 tok/s
+    # dynamic; the static cache pays off once compiled, 1,366).
     cache = "static" if settings.compile else None
     config = GenerationConfig(
         max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=chat.end_id,
@@ -402,6 +422,14 @@ class Regeneration:
         self.directory = cache_root / "regenerated" / key
         size = settings.shard_size
         self.ranges = [(s, min(s + size, len(index))) for s in range(0, len(index), size)]
+
+    def __getstate__(self) -> dict:
+        # Handed to a worker process (trainer/data/regen_worker.py): everything but the lock.
+        return {name: value for name, value in self.__dict__.items() if name != "tokenizer_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.tokenizer_lock = threading.Lock()
 
     def shard_path(self, start: int, end: int) -> Path:
         return self.directory / f"shard-{start:09d}-{end:09d}.jsonl"

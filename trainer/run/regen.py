@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from ..data.regen import (
     regen_key,
     run_workers,
 )
+from ..data.regen_worker import RegenJob, compiling_cache, run_worker_processes
+from ..model import compile_cache
+from ..model.target import load_target, load_target_config
 from . import runrecord
 from .events import EventLog
 from .resume import BadInput
@@ -51,6 +55,26 @@ class DataSource:
 
 
 @dataclass
+class Engines:
+    """Where this process regenerates: its devices, and the target already loaded on each (the
+    trainer's, used by a worker in this process) or None (loaded where needed)."""
+
+    devices: list
+    target_path: Path
+    dtype: str
+    loaded: list | None = None
+
+    def target(self, number: int):
+        if self.loaded is not None:
+            return self.loaded[number]
+        return load_target(self.target_path, self.devices[number], self.dtype)
+
+    def max_positions(self) -> int | None:
+        config = self.loaded[0].config if self.loaded else load_target_config(self.target_path)
+        return getattr(config, "max_position_embeddings", None)
+
+
+@dataclass
 class PreparedData:
     """Training conversations in the input's order (a stream, not a list), the held-out prompts,
     and a key naming this exact data (regenerated: the regeneration's key; as it is: raw-...)."""
@@ -62,12 +86,12 @@ class PreparedData:
     index: DataIndex | None = None
 
 
-def settings_of(cfg: Config, workers_here: int) -> RegenSettings:
+def settings_of(cfg: Config) -> RegenSettings:
     d = cfg.data
     return RegenSettings(
         max_new_tokens=d.regen_max_new_tokens, engine=d.regen_engine, shard_size=d.regen_shard_size,
         batch_size=d.regen_batch_size, batch_tokens=d.regen_batch_tokens, min_width=d.regen_min_width,
-        compile=d.regen_compile and workers_here == 1, attention=d.regen_attention, dtype=cfg.model.dtype,
+        compile=d.regen_compile, attention=d.regen_attention, dtype=cfg.model.dtype,
     )  # fmt: skip
 
 
@@ -90,23 +114,12 @@ def eval_prompts(index: DataIndex, chat: ChatFormat, held_out: int) -> list[list
     return [prompt_ids(e, chat, turn) for e, turn in zip(examples, first_answer, strict=True)]
 
 
-def prepare_data(cfg: Config, source: DataSource, targets: list, world, out, should_stop,
+def prepare_data(cfg: Config, source: DataSource, engines: Engines, world, out, should_stop,
                  out_dir: Path | None, held_out: int | None = None) -> PreparedData | None:  # fmt: skip
     """The run's data (see PreparedData); None when a stop came during the regeneration (what is
     done is kept). Bad data raises BadInput naming the file and line."""
     held_out = cfg.train.eval_prompts if held_out is None else held_out
-    began = time.monotonic()
-    try:
-        index = DataIndex.build(source.train_file)
-    except DataError as exc:
-        raise BadInput(str(exc)) from None
-    except UnicodeDecodeError as exc:
-        raise BadInput(
-            f"{source.train_file}: not UTF-8 text ({exc.reason}); save it as UTF-8 JSON lines"
-        ) from None
-    out.line(
-        f"data: {len(index):,} conversations in {source.train_file} (read in {time.monotonic() - began:.1f}s)"
-    )
+    index = read_index(source.train_file, out)
     if len(index) <= held_out:
         raise BadInput(
             f"{source.train_file} has {len(index)} conversations; more than train.eval_prompts="
@@ -118,38 +131,40 @@ def prepare_data(cfg: Config, source: DataSource, targets: list, world, out, sho
         key = raw_key(source.train_file, source.tokenizer_path)
         out.line(f"data: {source.train_file} used as it is ({train_end} training conversations, key {key})")
         return PreparedData(TokenizedFile(index, source.chat, 0, train_end), prompts, key, None, index)
-    settings = settings_of(cfg, len(targets))
+    settings = settings_of(cfg)
     key = regen_key(source.train_file, source.target_path, source.tokenizer_path, settings)
-    max_positions = getattr(targets[0].config, "max_position_embeddings", None)
     regeneration = Regeneration(
-        index, settings, Path(cfg.data.cache_dir).expanduser(), key, source.chat, source.pad_id, max_positions
-    )
+        index, settings, Path(cfg.data.cache_dir).expanduser(), key, source.chat, source.pad_id,
+        engines.max_positions(),
+    )  # fmt: skip
     try:
-        if not regenerate_missing(cfg, regeneration, targets, world, out, should_stop, out_dir):
+        if not regenerate_missing(cfg, regeneration, engines, world, out, should_stop, out_dir):
             return None
     except DataError as exc:
         raise BadInput(str(exc)) from None
     return PreparedData(regeneration.examples(0, train_end), prompts, key, regeneration, index)
 
 
-def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, should_stop, out_dir) -> bool:
+def read_index(train_file: Path, out) -> DataIndex:
+    began = time.monotonic()
+    try:
+        index = DataIndex.build(train_file)
+    except DataError as exc:
+        raise BadInput(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{train_file}: not UTF-8 text ({exc.reason}); save it as UTF-8 JSON lines") from None
+    out.line(f"data: {len(index):,} conversations in {train_file} (read in {time.monotonic() - began:.1f}s)")
+    return index
+
+
+def regenerate_missing(cfg, regeneration: Regeneration, engines: Engines, world, out, should_stop,
+                       out_dir) -> bool:  # fmt: skip
     """Generate the shards not on disk yet, every worker its share; False if a stop came."""
     missing = regeneration.missing()
     if not world.any(bool(missing)):
         out.line(f"data: {len(regeneration.index):,} regenerated conversations from {regeneration.directory}")
         return True
-    workers = world.world_size * len(targets)
-    first_worker = world.rank * len(targets)
-
-    def ours(shards: list[int]) -> list[int]:
-        return [s for s in shards if first_worker <= s % workers < first_worker + len(targets)]
-
-    def size(shards: list[int]) -> int:
-        return sum(regeneration.ranges[s][1] - regeneration.ranges[s][0] for s in shards)
-
-    mine = ours(missing)
-    share, whole_share = size(mine), size(ours(list(range(len(regeneration.ranges)))))
-    progress = Progress(total=whole_share, done_before=whole_share - share)
+    mine, progress = our_share(regeneration, missing, world, len(engines.devices))
     events = stage_events(cfg, out_dir) if out_dir is not None and world.is_lead else None
     lock = regeneration.lock() if world.local_rank == 0 else contextlib.nullcontext()
     with lock:
@@ -157,26 +172,13 @@ def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, sho
             regeneration.prepare()
         world.any(False)  # the other ranks write only once the directory is ready
         regeneration.check_contexts_before_generating(mine)
-        begin = (
-            f"regenerating {len(regeneration.index):,} conversations ({share:,} on this "
-            f"{'process' if world.world_size > 1 else 'machine'}, {len(targets)} device(s), engine "
-            f"{regeneration.settings.engine}) into {regeneration.directory}"
-        )
+        begin = begin_text(regeneration, progress, world, len(engines.devices))
         out.line(f"data: {begin}")
         note_stage(out_dir, world, "regenerating", progress.snapshot())
         if events is not None:
             events.record("regen", begin, reason="regenerating")
-
-        def report() -> None:
-            row = progress.snapshot()
-            out.line(progress_line(row))
-            out.metric({**row, "step": row["conversations"]})
-            note_stage(out_dir, world, "regenerating", row)
-
-        finished = run_workers(
-            regeneration, targets, progress, should_stop, report, cfg.data.regen_progress_every_s,
-            world.rank, world.world_size,
-        )  # fmt: skip
+        report = reporter(progress, out, out_dir, world)
+        finished = generate_share(cfg, regeneration, engines, world, progress, should_stop, report, out)
         report()
         stopped = world.any(not finished)
     if stopped:
@@ -185,6 +187,79 @@ def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, sho
         if events is not None:
             events.record("regen", f"regeneration stopped with {done:,} conversations kept", reason="stopped")
         return False
+    check_every_shard_here(regeneration)
+    stage_ended(regeneration, progress, out, out_dir, world, events)
+    return True
+
+
+def begin_text(regeneration: Regeneration, progress: Progress, world, devices: int) -> str:
+    where = "process" if world.world_size > 1 else "machine"
+    return (
+        f"regenerating {len(regeneration.index):,} conversations ({progress.total - progress.done_before:,} "
+        f"on this {where}, {devices} device(s), engine {regeneration.settings.engine}) into "
+        f"{regeneration.directory}"
+    )
+
+
+def our_share(regeneration: Regeneration, missing: list[int], world, workers_here: int):
+    """(the missing shards this process's workers generate, a Progress over this process's whole
+    share): shard i is worker i % workers's, and this process's workers are
+    rank * workers_here ... + workers_here - 1."""
+    workers = world.world_size * workers_here
+    first_worker = world.rank * workers_here
+
+    def ours(shards) -> list[int]:
+        return [s for s in shards if first_worker <= s % workers < first_worker + workers_here]
+
+    def size(shards: list[int]) -> int:
+        return sum(regeneration.ranges[s][1] - regeneration.ranges[s][0] for s in shards)
+
+    mine = ours(missing)
+    share, whole_share = size(mine), size(ours(range(len(regeneration.ranges))))
+    return mine, Progress(total=whole_share, done_before=whole_share - share)
+
+
+def reporter(progress: Progress, out, out_dir: Path | None, world) -> Callable[[], None]:
+    def report() -> None:
+        row = progress.snapshot()
+        out.line(progress_line(row))
+        out.metric({**row, "step": row["conversations"]})
+        note_stage(out_dir, world, "regenerating", row)
+
+    return report
+
+
+def generate_share(cfg, regeneration: Regeneration, engines: Engines, world, progress, should_stop, report,
+                   out) -> bool:  # fmt: skip
+    """This process's share, on each of its devices: in this process with one device (under
+    torchrun every rank is a process of its own), else in one worker process per device, each
+    compiling its own decode step. False if a stop came."""
+    every = cfg.data.regen_progress_every_s
+    compile_root = Path(cfg.data.cache_dir).expanduser().absolute() / "compile"
+    here = len(engines.devices)
+    if here == 1:
+        cache = compiling_cache(compile_root, engines.devices[0], regeneration.settings.compile)
+        with compile_cache.persisted(cache, lambda text: out.line(f"data: {text}")):
+            targets = [engines.target(0)]
+            return run_workers(
+                regeneration, targets, progress, should_stop, report, every, world.rank, world.world_size
+            )
+    cpu_threads = max(1, (cfg.parallel.cpu_threads or os.cpu_count() or 1) // here)
+    jobs = [
+        RegenJob(
+            device=str(device), kept_in=str(regeneration.directory), regeneration=regeneration,
+            target_path=engines.target_path, dtype=engines.dtype, worker=world.rank * here + number,
+            workers=world.world_size * here, threads=cpu_threads if device.type == "cpu" else None,
+            compile_root=compile_root,
+        )
+        for number, device in enumerate(engines.devices)
+    ]
+    out.line(f"data: {here} worker processes, one per device: {', '.join(job.device for job in jobs)}")
+    log = lambda text: out.line(f"data: {text}")  # noqa: E731
+    return run_worker_processes(jobs, progress, should_stop, report, every, log)
+
+
+def check_every_shard_here(regeneration: Regeneration) -> None:
     still_missing = regeneration.missing()
     if still_missing:
         first, end = regeneration.ranges[still_missing[0]]
@@ -193,6 +268,9 @@ def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, sho
             f"(first: conversations {first}-{end - 1}); with several hosts data.cache_dir must be on "
             "a filesystem every host shares, or run python -m trainer.regen on one host first"
         )
+
+
+def stage_ended(regeneration: Regeneration, progress: Progress, out, out_dir, world, events) -> None:
     row = progress.snapshot()
     fresh = row["conversations"] - progress.done_before  # this start's, not an earlier one's
     end_text = (
@@ -203,7 +281,6 @@ def regenerate_missing(cfg, regeneration: Regeneration, targets, world, out, sho
     note_stage(out_dir, world, "regenerated", row)
     if events is not None:
         events.record("regen", end_text, reason="regenerated")
-    return True
 
 
 def stage_events(cfg: Config, out_dir: Path) -> EventLog:

@@ -41,7 +41,7 @@ from . import runrecord
 from .checkpoint import prune_checkpoints, save_checkpoint
 from .environment import resolve_devices
 from .recompiles import RecompileWatch
-from .regen import DataSource, prepare_data
+from .regen import DataSource, Engines, prepare_data
 from .resume import BadInput, ResumePoint, checkpoint_state, find_resume_point, restore
 from .sinks import Output, open_output
 
@@ -286,8 +286,9 @@ def regenerated_examples(cfg: Config, models: Models, place: Placement, out: Out
         models.chat,
     )
     targets = [replica.target for replica in models.replicas]
+    engines = Engines(place.devices, models.target_path, cfg.model.dtype, loaded=targets)
     out_dir = getattr(out, "out_dir", None)  # where this process writes the run's files, if it does
-    prepared = prepare_data(cfg, source, targets, place.world, out, should_stop, out_dir)
+    prepared = prepare_data(cfg, source, engines, place.world, out, should_stop, out_dir)
     release_data_stage_memory(place.devices, out)
     if prepared is None:
         return None

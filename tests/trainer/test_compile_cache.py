@@ -1,0 +1,74 @@
+"""The compile cache (trainer/model/compile_cache.py): a process that compiles saves what it
+compiled; a fresh process over the same directory loads it and says so; two processes saving at
+once leave only whole bundles; another software stack gets a directory of its own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from trainer.model import compile_cache
+
+from .conftest import REPO
+
+COMPILE = """
+import sys, torch
+from pathlib import Path
+from trainer.model import compile_cache
+
+directory = Path(sys.argv[1])
+with compile_cache.persisted(directory, print):
+    step = torch.compile(lambda x: (x * 2).sin() + 1, dynamic=False)
+    step(torch.ones(8))
+print("bundles", len(list((directory / "mega").glob("*.bin"))))
+"""
+
+
+def compile_in_a_fresh_process(directory, env) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", COMPILE, str(directory)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def finish(process: subprocess.Popen) -> str:
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output
+    return output
+
+
+def test_a_fresh_process_loads_what_the_first_compiled(tmp_path, monkeypatch):
+    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "elsewhere")}
+    directory = compile_cache.cache_directory(tmp_path / "compile")
+    cold = finish(compile_in_a_fresh_process(directory, env))
+    assert f"compile cache: cold (compiling into {directory})" in cold
+    assert "bundles 1" in cold
+    # Two fresh processes at once, both over the saved cache: both warm, only whole bundles after.
+    both = [compile_in_a_fresh_process(directory, env) for _ in range(2)]
+    for output in map(finish, both):
+        assert "compile cache: warm (" in output and f"artifacts loaded from {directory})" in output, output
+    for bundle in (directory / "mega").glob("*.bin"):
+        assert torch.compiler.load_cache_artifacts(bundle.read_bytes()) is not None
+    assert not list((directory / "mega").glob(".*.tmp"))
+
+
+def test_the_directory_names_the_software_stack():
+    import transformers
+
+    key = compile_cache.stack_key()
+    assert torch.__version__.replace("+", "_") in key and transformers.__version__ in key
+    assert f"py{sys.version_info.major}.{sys.version_info.minor}" in key
+    assert "/" not in key
+
+
+def test_an_unreadable_bundle_is_skipped_and_said(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))
+    directory = tmp_path / "compile" / "stack"
+    (directory / "mega").mkdir(parents=True)
+    (directory / "mega" / "0123.bin").write_bytes(b"not a bundle")
+    lines = []
+    with compile_cache.persisted(directory, lines.append):
+        pass
+    assert lines == [f"compile cache: cold (compiling into {directory}; 1 unreadable bundle(s) skipped)"]
