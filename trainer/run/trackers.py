@@ -88,7 +88,7 @@ class MlflowTracker:
     def start(self, state: dict, config: dict[str, Any]) -> dict:
         """Continue the run state names when it is in the same store, else create one; the new state."""
         uri = os.environ.get("MLFLOW_TRACKING_URI") or str(self.out_dir / "mlruns")
-        if "MLFLOW_TRACKING_URI" not in os.environ:
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
             # MLflow 3 keeps its file store only on request; it needs no server and no database.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow import MlflowClient
