@@ -135,8 +135,7 @@ def test_events_go_once_and_a_resume_continues_the_same_tracker_run(tmp_path, st
     trackers.close("crashed")
     assert stand_in.calls == [("start", {}), ("metric", 1), ("event", 1, "start"), ("end", "crashed")]
     assert json.loads((tmp_path / "trackers.json").read_text()) == {
-        "mlflow": {"run_id": "r1"},
-        "events_sent": 1,
+        "mlflow": {"run_id": "r1", "events_sent": 1}
     }
     with events.open("a") as handle:
         for name in ("crash", "restart"):
@@ -145,7 +144,8 @@ def test_events_go_once_and_a_resume_continues_the_same_tracker_run(tmp_path, st
     trackers = open_trackers(tmp_path, lines)
     trackers.close("finished")
     assert stand_in.calls == [
-        ("start", {"run_id": "r1"}), ("event", 2, "crash"), ("event", 3, "restart"), ("end", "finished"),
+        ("start", {"run_id": "r1", "events_sent": 1}), ("event", 2, "crash"), ("event", 3, "restart"),
+        ("end", "finished"),
     ]  # fmt: skip
     assert lines == []
 
@@ -175,3 +175,32 @@ def test_an_unwritable_tracker_state_costs_one_warning(tmp_path, stand_in):
     assert lines[0].startswith("trackers: trackers.json is unreadable (IsADirectoryError)")
     assert lines[1].startswith(f"trackers: cannot write {tmp_path / 'trackers.json'} (")
     assert ("end", "finished") in stand_in.calls
+
+
+class Hanging(StandIn):
+    """A tracker whose start does not come back (a server that accepts and never answers)."""
+
+    name = "wandb"
+    release = threading.Event()
+
+    def start(self, state, config):
+        Hanging.release.wait(30)
+        return {}
+
+
+def test_a_hanging_tracker_holds_up_no_other(tmp_path, stand_in, monkeypatch):
+    monkeypatch.setitem(trackers_module.TRACKER_CLASSES, "wandb", Hanging)
+    monkeypatch.setattr(trackers_module, "CLOSE_TIMEOUT_S", 0.5)
+    Hanging.release.clear()
+    lines: list[str] = []
+    trackers = Trackers(["mlflow", "wandb"], tmp_path, {"run": {"name": "eager"}}, lines.append)
+    try:
+        trackers.metric({"kind": "train", "step": 1, "loss": 1.0})
+        trackers.close("finished")
+    finally:
+        Hanging.release.set()
+    assert stand_in.calls == [("start", {}), ("metric", 1), ("end", "finished")]
+    assert lines == [
+        "trackers: wandb still busy after 0.5s; the run ends without waiting (what did not reach a "
+        "tracker is in metrics.jsonl and events.jsonl)"
+    ]

@@ -15,8 +15,8 @@ process ended (finished, stopped, crashed).
   run's summary (`event`, `event_text`), crashes, restarts and failures also as alerts.
 
 A resumed run continues the same tracker runs: their ids are kept in <out>/trackers.json, with how
-many events were already sent. Everything a tracker does runs on one thread of its own, so a slow
-or unreachable server never holds a training step; a tracker that fails (package missing, server
+many events each one was already sent. Each tracker works on a thread of its own, so a slow or
+unreachable server never holds a training step nor another tracker; a tracker that fails (package missing, server
 down, a call refused) costs one warning line and is left out for the rest of this process, and at
 the end the run waits at most CLOSE_TIMEOUT_S for the trackers to finish.
 """
@@ -192,102 +192,43 @@ TRACKER_CLASSES = {"mlflow": MlflowTracker, "wandb": WandbTracker}
 
 
 class Trackers:
-    """The trackers of one run, fed from the training thread, working on a thread of their own."""
+    """The trackers of one run, fed from the training thread; each works on a thread of its own, so
+    one that hangs holds neither a step nor the others."""
 
     def __init__(self, names: list[str], out_dir: Path, config: dict[str, Any], warn: Callable[[str], None]):
-        self.out_dir, self.config, self.warn = out_dir, config, warn
-        self.run_name = os.environ.get("DFLASH_RUN_ID") or str(config["run"]["name"])
-        self.wanted = [name for name in names if name in TRACKER_CLASSES]
-        self.live: list[Any] = []
-        self.state: dict[str, Any] = {}
-        self.events_seen = -1  # the size of events.jsonl when last read
-        self.queue: queue.Queue = queue.Queue(QUEUE_SIZE)
-        self.dropped = self.unwritable = False
-        self.thread = threading.Thread(target=self.work, name="trackers", daemon=True)
-        self.thread.start()
+        self.out_dir, self.warn = out_dir, warn
+        self.lock = threading.Lock()  # trackers.json, written by every tracker's thread
+        self.unwritable = False
+        self.state = self.read_state()
+        run_name = os.environ.get("DFLASH_RUN_ID") or str(config["run"]["name"])
+        self.workers = [
+            TrackerWorker(self, TRACKER_CLASSES[name](out_dir, run_name), config)
+            for name in names
+            if name in TRACKER_CLASSES
+        ]
 
     def metric(self, row: dict[str, Any]) -> None:
-        self.submit(("metric", row))
+        for worker in self.workers:
+            worker.submit(("metric", row))
 
     def close(self, outcome: str) -> None:
-        """Send what is left and end each tracker's run; wait at most CLOSE_TIMEOUT_S."""
-        self.submit(("end", outcome), wait=True)
-        self.thread.join(CLOSE_TIMEOUT_S)
-        if self.thread.is_alive():
-            names = ", ".join(tracker.name for tracker in self.live) or "the trackers"
+        """Send what is left and end each tracker's run, waiting at most CLOSE_TIMEOUT_S in all."""
+        for worker in self.workers:
+            worker.submit(("end", outcome))
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        for worker in self.workers:
+            worker.thread.join(max(0.0, deadline - time.monotonic()))
+        busy = [worker.tracker.name for worker in self.workers if worker.thread.is_alive()]
+        if busy:
             self.warn(
-                f"trackers: {names} still busy after {CLOSE_TIMEOUT_S:g}s; the run ends without waiting "
-                "(an offline wandb run is complete on disk: `wandb sync <out>/wandb/offline-run-*`)"
+                f"trackers: {', '.join(busy)} still busy after {CLOSE_TIMEOUT_S:g}s; the run ends without "
+                "waiting (what did not reach a tracker is in metrics.jsonl and events.jsonl)"
             )
-
-    def submit(self, item: tuple, wait: bool = False) -> None:
-        try:
-            self.queue.put(item, timeout=CLOSE_TIMEOUT_S if wait else 0)
-        except queue.Full:
-            if not self.dropped:
-                self.dropped = True
-                self.warn(f"trackers: behind by {QUEUE_SIZE} rows; rows are left out until they catch up")
-
-    def work(self) -> None:
-        self.start()
-        while True:
-            kind, value = self.queue.get()
-            if kind == "metric":
-                self.call("metric", value)
-            self.forward_events()
-            if kind == "end":
-                self.call("end", value)
-                return
-
-    def start(self) -> None:
-        self.state = self.read_state()
-        for name in self.wanted:
-            tracker = TRACKER_CLASSES[name](self.out_dir, self.run_name)
-            try:
-                self.state[name] = tracker.start(dict(self.state.get(name) or {}), self.config)
-            except ImportError:
-                self.warn(
-                    f"tracker {name}: the {name} package is missing (pip install {PACKAGES[name]}); "
-                    "the run goes on without it"
-                )
-                continue
-            except Exception as exc:
-                self.lost(name, "cannot start", exc)
-                continue
-            self.live.append(tracker)
-        self.write_state()
-
-    def call(self, method: str, *args: Any) -> None:
-        """One call on every live tracker; one that fails is warned about once and left out."""
-        for tracker in list(self.live):
-            try:
-                getattr(tracker, method)(*args)
-            except Exception as exc:
-                self.live.remove(tracker)
-                self.lost(tracker.name, f"{method} failed", exc)
 
     def lost(self, name: str, what: str, exc: Exception) -> None:
         """The one warning line of a tracker that is left out from now on."""
         why = redact(f"{type(exc).__name__}: {exc}")
         self.warn(f"tracker {name}: {what} ({why}); the run goes on without it")
-
-    def forward_events(self) -> None:
-        """The lines of events.jsonl no tracker has had yet (an earlier process's crash and restart
-        reach the trackers when the resumed one starts)."""
-        try:
-            size = (self.out_dir / "events.jsonl").stat().st_size
-        except OSError:
-            return
-        if size == self.events_seen or not self.live:
-            return
-        self.events_seen = size
-        rows = read_events(self.out_dir)
-        sent = int(self.state.get("events_sent", 0))
-        for index, row in enumerate(rows[sent:], start=sent + 1):
-            self.call("event", index, row)
-        if len(rows) > sent:
-            self.state["events_sent"] = len(rows)
-            self.write_state()
 
     def read_state(self) -> dict[str, Any]:
         try:
@@ -301,14 +242,107 @@ class Trackers:
             return {}
         return state if isinstance(state, dict) else {}
 
-    def write_state(self) -> None:
-        """<out>/trackers.json, replaced whole (a crash mid-write leaves the previous one)."""
-        path = self.out_dir / TRACKERS_FILE
-        part = path.with_name(f".{TRACKERS_FILE}.part")
+    def save(self, name: str, state: dict[str, Any]) -> None:
+        """One tracker's state into <out>/trackers.json, replaced whole (a crash mid-write leaves
+        the previous one)."""
+        with self.lock:
+            self.state[name] = state
+            path = self.out_dir / TRACKERS_FILE
+            part = path.with_name(f".{TRACKERS_FILE}.part")
+            try:
+                part.write_text(json.dumps(self.state, indent=1) + "\n")
+                os.replace(part, path)
+            except OSError as exc:
+                if not self.unwritable:
+                    self.warn(
+                        f"trackers: cannot write {path} ({exc.strerror}); a resume begins new tracker runs"
+                    )
+                self.unwritable = True
+
+
+class TrackerWorker:
+    """One tracker's thread: its start, then the rows and events in order, then its end."""
+
+    def __init__(self, owner: Trackers, tracker: Any, config: dict[str, Any]):
+        self.owner, self.tracker, self.config = owner, tracker, config
+        self.state = dict(owner.state.get(tracker.name) or {})
+        self.queue: queue.Queue = queue.Queue(QUEUE_SIZE)
+        self.dead = self.dropped = False
+        self.events_seen = -1  # the size of events.jsonl when last read
+        self.thread = threading.Thread(target=self.work, name=f"tracker-{tracker.name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, item: tuple) -> None:
+        if self.dead:
+            return
         try:
-            part.write_text(json.dumps(self.state, indent=1) + "\n")
-            os.replace(part, path)
-        except OSError as exc:
-            if not self.unwritable:
-                self.warn(f"trackers: cannot write {path} ({exc.strerror}); a resume begins new tracker runs")
-            self.unwritable = True
+            self.queue.put_nowait(item)
+        except queue.Full:
+            if not self.dropped:
+                self.dropped = True
+                self.owner.warn(
+                    f"tracker {self.tracker.name}: {QUEUE_SIZE} rows behind; rows are left out until it "
+                    "catches up"
+                )
+
+    def work(self) -> None:
+        if not self.start():
+            return
+        while True:
+            kind, value = self.queue.get()
+            if kind == "metric" and not self.call("metric", value):
+                return
+            if not self.forward_events():
+                return
+            if kind == "end":
+                self.call("end", value)
+                return
+
+    def start(self) -> bool:
+        name = self.tracker.name
+        try:
+            sent = self.state.get("events_sent", 0)
+            self.state = {**self.tracker.start(self.state, self.config), "events_sent": sent}
+        except ImportError:
+            self.dead = True
+            self.owner.warn(
+                f"tracker {name}: the {name} package is missing (pip install {PACKAGES[name]}); "
+                "the run goes on without it"
+            )
+            return False
+        except Exception as exc:
+            self.dead = True
+            self.owner.lost(name, "cannot start", exc)
+            return False
+        self.owner.save(name, self.state)
+        return True
+
+    def call(self, method: str, *args: Any) -> bool:
+        """One call on the tracker; one that fails is warned about once and the tracker left out."""
+        try:
+            getattr(self.tracker, method)(*args)
+        except Exception as exc:
+            self.dead = True
+            self.owner.lost(self.tracker.name, f"{method} failed", exc)
+            return False
+        return True
+
+    def forward_events(self) -> bool:
+        """The lines of events.jsonl this tracker has not had yet (an earlier process's crash and
+        restart reach it when the resumed one starts)."""
+        try:
+            size = (self.owner.out_dir / "events.jsonl").stat().st_size
+        except OSError:
+            return True
+        if size == self.events_seen:
+            return True
+        self.events_seen = size
+        rows = read_events(self.owner.out_dir)
+        sent = int(self.state.get("events_sent", 0))
+        for index, row in enumerate(rows[sent:], start=sent + 1):
+            if not self.call("event", index, row):
+                return False
+            self.state["events_sent"] = index
+        if len(rows) > sent:
+            self.owner.save(self.tracker.name, dict(self.state))
+        return True
