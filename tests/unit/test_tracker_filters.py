@@ -21,18 +21,14 @@ PACKAGES = {
 }
 
 
-def test_the_trackers_of_a_machine_config_and_of_the_overrides():
-    assert report_to({"log": {"report_to": ["wandb", "mlflow"]}}) == ["wandb", "mlflow"]
-    assert report_to({"log": {"report_to": "mlflow,wandb", "tensorboard": True}}) == [
+def test_the_trackers_of_a_resolved_log_section():
+    assert report_to({"report_to": ["wandb", "mlflow"], "tensorboard": False}) == ["wandb", "mlflow"]
+    assert report_to({"report_to": ["mlflow", "tensorboard"], "tensorboard": True}) == [
         "mlflow",
-        "wandb",
         "tensorboard",
     ]
-    assert report_to({"log": {"report_to": ["wandb"]}}, ["train.steps=9", "log.report_to=mlflow"]) == [
-        "mlflow"
-    ]
-    assert report_to({"log": {"report_to": ["wandb"]}}, ["log.report_to="]) == []
-    assert report_to({}) == report_to(None) == report_to({"log": None}) == []
+    assert report_to({"report_to": [], "tensorboard": True}) == ["tensorboard"]
+    assert report_to({}) == report_to(None) == []
 
 
 def test_the_packages_of_the_chosen_trackers_once_each():

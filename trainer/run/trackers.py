@@ -16,9 +16,9 @@ process ended (finished, stopped, crashed).
 
 A resumed run continues the same tracker runs: their ids are kept in <out>/trackers.json, with how
 many events each one was already sent. Each tracker works on a thread of its own, so a slow or
-unreachable server never holds a training step nor another tracker; a tracker that fails (package missing, server
-down, a call refused) costs one warning line and is left out for the rest of this process, and at
-the end the run waits at most CLOSE_TIMEOUT_S for the trackers to finish.
+unreachable server never holds a training step nor another tracker; a tracker that fails (package
+missing, server down, a call refused) costs one warning line and is left out for the rest of this
+process, and at the end the run waits at most CLOSE_TIMEOUT_S for the trackers to finish.
 """
 
 from __future__ import annotations

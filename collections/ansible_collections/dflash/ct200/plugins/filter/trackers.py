@@ -12,25 +12,11 @@ import shlex
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def _names(value) -> list[str]:
-    """report_to as a YAML list or as the comma-separated text of --set."""
-    if isinstance(value, str):
-        return [part.strip() for part in value.split(",") if part.strip()]
-    if isinstance(value, list):
-        return [str(part).strip() for part in value]
-    return []
-
-
-def report_to(machine, sets=None) -> list[str]:
-    """The trackers a run reports to: the machine config's log.report_to (log.tensorboard: true
-    names tensorboard), a later `--set log.report_to=...` of the role's overrides replacing it."""
-    log = machine.get("log") if isinstance(machine, dict) else None
+def report_to(log) -> list[str]:
+    """The trackers a run reports to, from its resolved `log` section (run_profile_data.log, the
+    trainer's own loader's result): log.report_to, and tensorboard where log.tensorboard is true."""
     log = log if isinstance(log, dict) else {}
-    names = _names(log.get("report_to"))
-    for setting in sets or []:
-        key, _, value = str(setting).partition("=")
-        if key.strip() == "log.report_to":
-            names = _names(value)
+    names = [str(name) for name in log.get("report_to") or []]
     if log.get("tensorboard") is True:
         names.append("tensorboard")
     return list(dict.fromkeys(names))
