@@ -204,3 +204,29 @@ def test_a_hanging_tracker_holds_up_no_other(tmp_path, stand_in, monkeypatch):
         "trackers: wandb still busy after 0.5s; the run ends without waiting (what did not reach a "
         "tracker is in metrics.jsonl and events.jsonl)"
     ]
+
+
+def test_the_run_output_tells_the_trackers_how_the_trainer_ended(tmp_path, stand_in):
+    from trainer.run.sinks import FileOutput
+
+    cfg = load_config("eager", None, ["log.report_to=mlflow"])
+    for stopped, error, told in (
+        (False, None, "finished"),
+        (True, None, "stopped"),
+        (
+            False,
+            ValueError("boom at http://u:secret@h/"),
+            "crashed: ValueError: boom at http://<credentials>@h/",
+        ),
+    ):
+        stand_in.calls.clear()
+        out = FileOutput(tmp_path, cfg)
+        try:
+            try:
+                if error is not None:
+                    raise error
+            finally:
+                out.close(stopped=stopped)
+        except ValueError:
+            pass
+        assert stand_in.calls[-1] == ("end", told)

@@ -81,8 +81,9 @@ class FileOutput(ConsoleOutput):
         """stopped: the run ends on a stop signal (else it finished, or crashed where an exception
         is on its way out): what the trackers are told."""
         if self.trackers is not None:
-            crashed = sys.exc_info()[0] is not None
-            self.trackers.close("crashed" if crashed else "stopped" if stopped else "finished")
+            error = sys.exc_info()[1]
+            crashed = f"crashed: {type(error).__name__}: {error}" if error is not None else ""
+            self.trackers.close(crashed or ("stopped" if stopped else "finished"))
         self.log_file.close()
         self.metrics.close()
         if self.board is not None:

@@ -136,7 +136,7 @@ class MlflowTracker:
 
     def end(self, outcome: str) -> None:
         self.client.set_tag(self.run_id, "dflash.ended", outcome)
-        self.client.set_terminated(self.run_id, status=MLFLOW_STATUS[outcome])
+        self.client.set_terminated(self.run_id, status=MLFLOW_STATUS[outcome.split(":", 1)[0]])
 
 
 class WandbTracker:
@@ -185,7 +185,7 @@ class WandbTracker:
 
     def end(self, outcome: str) -> None:
         self.run.summary["ended"] = outcome
-        self.run.finish(exit_code=1 if outcome == "crashed" else 0)
+        self.run.finish(exit_code=1 if outcome.startswith("crashed") else 0)
 
 
 TRACKER_CLASSES = {"mlflow": MlflowTracker, "wandb": WandbTracker}
@@ -212,7 +212,9 @@ class Trackers:
             worker.submit(("metric", row))
 
     def close(self, outcome: str) -> None:
-        """Send what is left and end each tracker's run, waiting at most CLOSE_TIMEOUT_S in all."""
+        """Send what is left and end each tracker's run, waiting at most CLOSE_TIMEOUT_S in all.
+        outcome: finished, stopped, or crashed: <the exception> (which the trackers are told)."""
+        outcome = redact(outcome)
         for worker in self.workers:
             worker.submit(("end", outcome))
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
