@@ -285,8 +285,12 @@ class Controller:
 SAFE_ENV = {"PATH", "HOME", "LANG", "PWD", "ANSIBLE_CONFIG", "PYTHONUNBUFFERED"}
 
 
-# Extra variables whose values are secrets (a notice URL may carry credentials).
-SECRET_EXTRAVARS = ("notify_url",)
+# Extra variables whose values are secrets (a notice URL may carry credentials; the trackers'
+# credentials of log.report_to).
+SECRET_EXTRAVARS = (
+    "notify_url", "wandb_api_key", "mlflow_tracking_uri", "mlflow_tracking_token",
+    "mlflow_tracking_username", "mlflow_tracking_password",
+)  # fmt: skip
 
 
 def redact_extravars(argument: str) -> str:

@@ -387,15 +387,33 @@ class ParallelConfig:
         return out
 
 
+# The trackers log.report_to may name (Hugging Face Trainer's word and names).
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+
+
 @dataclass
 class LogConfig:
     """What the run writes beside train.log and metrics.jsonl."""
 
+    report_to: list[str] = field(default_factory=list)
+    """Experiment trackers that also receive the run (any of tensorboard, mlflow, wandb; empty: none).
+    tensorboard: event files under <out>/tensorboard. mlflow: a local store under <out>/mlruns, or
+    the server MLFLOW_TRACKING_URI names. wandb: offline under <out>/wandb without WANDB_API_KEY,
+    online with it. Each gets the config at the start, every metric row and the run's events; a
+    resumed run continues the same tracker run (<out>/trackers.json)."""
     tensorboard: bool = False
-    """Also write TensorBoard event files under <out>/tensorboard (needs the tensorboard package),
-    so that `tensorboard --logdir <out>/tensorboard` shows loss, lr, tokens/s and tau."""
+    """The same as naming tensorboard in report_to (kept for machine configs that say it this way)."""
+
+    def trackers(self) -> list[str]:
+        """The trackers this run reports to: report_to, with tensorboard where log.tensorboard says so."""
+        wanted = set(self.report_to) | ({"tensorboard"} if self.tensorboard else set())
+        return [name for name in TRACKERS if name in wanted]
 
     def problems(self) -> list[str]:
+        unknown = [name for name in self.report_to if name not in TRACKERS]
+        if unknown:
+            names = ", ".join(map(repr, unknown))
+            return [f"log.report_to: unknown tracker(s) {names} (known: {', '.join(TRACKERS)})"]
         return []
 
 
@@ -499,6 +517,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         return value
     if origin in (typing.Union, types.UnionType):
         raise TypeError(f"unsupported annotation {annotation}")
+    if origin is list and get_args(annotation) == (str,):
+        return _string_list(value, where)
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -518,6 +538,16 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             return str(value)
         raise ValueError(f"{where}: expected a string, got {value!r}")
     raise TypeError(f"unsupported annotation {annotation}")
+
+
+def _string_list(value: Any, where: str) -> list[str]:
+    """A list of names: a YAML list, or (from --set) one string of names separated by commas, the
+    empty string being the empty list. Repeats are dropped, the first one's place kept."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValueError(f"{where}: expected a list of names (YAML [a, b]; a,b after --set), got {value!r}")
+    return list(dict.fromkeys(value))
 
 
 def _apply_layer(

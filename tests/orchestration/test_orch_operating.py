@@ -167,6 +167,8 @@ def test_a_crashed_trainer_recovers_and_notices_arrive(state_dir: Path) -> None:
         recover_max_restarts=1,
         recover_backoff_s=1,
         notify_url=url,
+        wandb_api_key=f"key-{SECRET}",
+        mlflow_tracking_password=f"it's {SECRET}",
     )
     try:
         record = ctl.launch("nographs")
@@ -175,6 +177,14 @@ def test_a_crashed_trainer_recovers_and_notices_arrive(state_dir: Path) -> None:
         assert SECRET not in run_sh.read_text() and "--max-restarts=1" in run_sh.read_text()
         url_file = state_dir / "workspace" / "notify_url"
         assert url_file.read_text().strip() == url and (url_file.stat().st_mode & 0o777) == 0o600
+        # The trackers' credentials: kept the same way, and what run.sh exports from there.
+        tracker_env = state_dir / "workspace" / "tracker_env"
+        assert (tracker_env.stat().st_mode & 0o777) == 0o600 and "tracker_env" in run_sh.read_text()
+        exported = subprocess.run(
+            ["sh", "-c", '. "$1" && echo "$WANDB_API_KEY|$MLFLOW_TRACKING_PASSWORD"', "sh", str(tracker_env)],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert exported == f"key-{SECRET}|it's {SECRET}\n"
 
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and max([r["step"] for r in train_rows(out)], default=0) < 12:
@@ -200,7 +210,7 @@ def test_a_crashed_trainer_recovers_and_notices_arrive(state_dir: Path) -> None:
         assert recorded["restarts"] == 1 and recorded["restart_events"][0]["reason"] == "killed by SIGKILL"
         # Nothing of the URL in the controller's files: ledger, facts, runner artifacts.
         for path in state_dir.rglob("*"):
-            if path.is_file() and path != url_file and "workspace" not in path.parts:
+            if path.is_file() and path not in (url_file, tracker_env) and "workspace" not in path.parts:
                 assert SECRET not in path.read_text(errors="replace"), path
         for path in (out / "events.jsonl", Path(record["log"])):
             assert SECRET not in path.read_text()

@@ -10,6 +10,7 @@ so every host's log shows the same numbers. Every other rank is silent (`SilentO
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from pathlib import Path
 from typing import Any, TextIO
@@ -26,7 +27,7 @@ class SilentOutput:
     def metric(self, row: dict[str, Any]) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, stopped: bool = False) -> None:
         pass
 
 
@@ -43,14 +44,21 @@ class ConsoleOutput(SilentOutput):
 
 class FileOutput(ConsoleOutput):
     """Lines to stdout and <out>/train.log, flushed line by line; rows of <out>/metrics.jsonl, and
-    with tensorboard the same scalars as TensorBoard event files under <out>/tensorboard."""
+    with tensorboard the same scalars as TensorBoard event files under <out>/tensorboard; with
+    mlflow or wandb in log.report_to, rows and events to those trackers too (trackers.py)."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool = False):
+    def __init__(self, out_dir: Path, cfg: Config | None = None):
         super().__init__()
         self.out_dir = out_dir  # the data stage notes its progress in the run's record there
-        self.board = open_board(out_dir / "tensorboard") if tensorboard else None
+        wanted = cfg.log.trackers() if cfg is not None else []
+        self.board = open_board(out_dir / "tensorboard") if "tensorboard" in wanted else None
         self.log_file: TextIO = (out_dir / "train.log").open("a")
         self.metrics: TextIO = (out_dir / "metrics.jsonl").open("a")
+        self.trackers = None
+        if any(name != "tensorboard" for name in wanted):
+            from .trackers import Trackers
+
+            self.trackers = Trackers(wanted, out_dir, cfg.to_dict(), self.line)
 
     def line(self, text: str) -> None:
         with self.lock:
@@ -66,8 +74,16 @@ class FileOutput(ConsoleOutput):
                 if key not in ("kind", "step") and isinstance(value, (int, float)):
                     self.board.add_scalar(f"{row['kind']}/{key}", value, row["step"])
             self.board.flush()
+        if self.trackers is not None:
+            self.trackers.metric(row)
 
-    def close(self) -> None:
+    def close(self, stopped: bool = False) -> None:
+        """stopped: the run ends on a stop signal (else it finished, or crashed where an exception
+        is on its way out): what the trackers are told."""
+        if self.trackers is not None:
+            error = sys.exc_info()[1]
+            crashed = f"crashed: {type(error).__name__}: {error}" if error is not None else ""
+            self.trackers.close(crashed or ("stopped" if stopped else "finished"))
         self.log_file.close()
         self.metrics.close()
         if self.board is not None:
@@ -75,15 +91,16 @@ class FileOutput(ConsoleOutput):
 
 
 def open_board(directory: Path):
-    """A TensorBoard writer (log.tensorboard: true), or bad input where the package is missing."""
+    """A TensorBoard writer (tensorboard in log.report_to, or log.tensorboard: true), or bad input
+    where the package is missing: TensorBoard's files are part of the run's output, not a service."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         from .resume import BadInput
 
         raise BadInput(
-            "log.tensorboard is true but the tensorboard package is missing: install it "
-            "(pip install tensorboard==2.21.0) or set log.tensorboard: false"
+            "log.report_to names tensorboard (or log.tensorboard is true) but the tensorboard package "
+            "is missing: install it (pip install tensorboard==2.21.0) or leave tensorboard out"
         ) from None
     return SummaryWriter(str(directory))
 
@@ -96,5 +113,5 @@ def open_output(cfg: Config, out_dir: Path, writes_files: bool, prints_lines: bo
     if writes_files:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yml").write_text(dump_config(cfg))
-        return FileOutput(out_dir, cfg.log.tensorboard)
+        return FileOutput(out_dir, cfg)
     return ConsoleOutput() if prints_lines else SilentOutput()

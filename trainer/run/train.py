@@ -162,7 +162,7 @@ def run_training(cfg: Config, out_dir: Path, resume: bool, place: Placement) -> 
     finally:
         if topology is not None:
             topology.close()
-        out.close()
+        out.close(stopped=stop())
         stop.uninstall(ignore_late_signals=cfg.run.topology == "process" and launched_by_torchrun())
 
 

@@ -1,0 +1,190 @@
+"""log.report_to: [mlflow, wandb] on a real run, read back through MLflow's own client and from
+wandb's offline run files; a resume continues the same tracker runs; a tracker server that is
+down and a package that is missing cost one warning each, and the run finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO, run_trainer
+
+pytestmark = pytest.mark.slow
+
+SHORT = [
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.eval_prompts=4",
+    "--set",
+    "train.eval_max_new_tokens=8",
+]
+
+
+# What would send these runs to a real server from a developer's machine.
+TRACKER_ENV = ("WANDB_API_KEY", "WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")
+
+
+def supervised(out: Path, machine: Path, steps: int, *extra: str):
+    """The trainer under its supervisor, as a launch runs it (which records the run's events),
+    with no tracker credentials: MLflow's local store, wandb offline."""
+    argv = [
+        "--run",
+        "eager",
+        "--config",
+        str(machine),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        *SHORT,
+        *extra,
+    ]
+    env = {key: value for key, value in os.environ.items() if key not in TRACKER_ENV}
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.supervise", "-m", "trainer", "--", *argv],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory, cache_dir):
+    """A run of 4 steps reporting to mlflow and wandb, then resumed to 6: (out, metrics rows)."""
+    for name in ("mlflow", "wandb"):
+        pytest.importorskip(name)
+    base = tmp_path_factory.mktemp("tracked")
+    machine = base / "machine.yml"
+    machine.write_text(f"data:\n  cache_dir: {cache_dir}\nlog:\n  report_to: [mlflow, wandb]\n")
+    out = base / "run"
+    for steps, extra in ((4, ()), (6, ("--resume",))):
+        result = supervised(out, machine, steps, *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "tracker" not in result.stdout, result.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, rows
+
+
+def test_mlflow_store_holds_the_run_and_a_resume_continues_it(tracked, monkeypatch):
+    from mlflow import MlflowClient
+
+    out, rows = tracked
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(str(out / "mlruns"))
+    state = json.loads((out / "trackers.json").read_text())
+    runs = client.search_runs([client.get_experiment_by_name("dflash").experiment_id])
+    assert [run.info.run_id for run in runs] == [state["mlflow"]["run_id"]]  # one run, both starts
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.lr"] == "0.0006" and run.data.params["train.steps"] == "4"
+    assert run.data.tags["resumed.train.steps"] == "6"
+    assert run.data.params["log.report_to"] == "mlflow,wandb"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    losses = [(row["step"], row["loss"]) for row in rows if row["kind"] == "train"]
+    assert [row[0] for row in losses] == [1, 2, 3, 4, 5, 6]
+    assert [(m.step, pytest.approx(m.value, rel=1e-9)) for m in history] == losses
+    taus = [(row["step"], row["tau"]) for row in rows if row["kind"] == "eval"]
+    tau_history = client.get_metric_history(run.info.run_id, "eval/tau")
+    assert [(m.step, pytest.approx(m.value, rel=1e-9)) for m in tau_history] == taus
+    # The first start's events reach the tracker; the resumed process sends its own start and
+    # the first one's finish (the supervisor writes the finish once this process has ended).
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    tags = {key: value for key, value in run.data.tags.items() if key.startswith("dflash.event.")}
+    assert len(tags) == state["mlflow"]["events_sent"] == len(events) - 1  # all but the last finish
+    assert [tags[f"dflash.event.{i:04d}"].split(" ", 1)[1] for i in range(1, len(tags) + 1)] == [
+        event["text"] for event in events[:-1]
+    ]
+    assert run.data.tags["dflash.ended"] == "finished"
+
+
+def wandb_records(path: Path):
+    """The records of a .wandb file: wandb's LevelDB-style log (a 7-byte header, then 32 KiB
+    blocks of chunks, each with a 7-byte header: CRC, length, type) of protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    position, block, pending = 7, 32768, b""
+    while position + 7 <= len(data):
+        left = block - position % block
+        if left < 7:  # a block's tail too short for a header is padding
+            position += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if kind == 0 and length == 0:
+            break
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a whole record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def test_wandb_offline_run_holds_the_run_and_a_resume_reuses_its_id(tracked):
+    out, rows = tracked
+    run_id = json.loads((out / "trackers.json").read_text())["wandb"]["id"]
+    directories = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(directories) == 2 and all(d.name.endswith(f"-{run_id}") for d in directories)
+    losses, configs = {}, []
+    for directory in directories:
+        for record in wandb_records(directory / f"run-{run_id}.wandb"):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                assert record.run.run_id == run_id
+                configs.append({item.key: json.loads(item.value_json) for item in record.run.config.update})
+            elif kind == "history":
+                items = {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+                if "train/loss" in items:
+                    losses[items["train/step"]] = items["train/loss"]
+    expected = {row["step"]: row["loss"] for row in rows if row["kind"] == "train"}
+    assert losses == pytest.approx(expected, rel=1e-9)
+    assert configs[0]["train"]["lr"] == 0.0006 and configs[0]["log"]["report_to"] == ["mlflow", "wandb"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # closed again: nobody listens there
+
+
+def test_a_tracker_down_and_a_package_missing_cost_one_warning_each(tmp_path, cache_dir):
+    pytest.importorskip("mlflow")
+    # A wandb that cannot be imported, first on the path.
+    (tmp_path / "shadow").mkdir()
+    (tmp_path / "shadow" / "wandb.py").write_text("raise ModuleNotFoundError(\"No module named 'wandb'\")\n")
+    machine = tmp_path / "machine.yml"
+    machine.write_text(f"data:\n  cache_dir: {cache_dir}\nlog:\n  report_to: [mlflow, wandb]\n")
+    out = tmp_path / "run"
+    uri = f"http://user:hunter2@127.0.0.1:{free_port()}"
+    env = {
+        "WANDB_API_KEY": "", "MLFLOW_TRACKING_URI": uri,
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "2",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "shadow"), os.environ.get("PYTHONPATH")])),
+    }  # fmt: skip
+    result = run_trainer(
+        "--run", "eager", "--config", str(machine), "--out", str(out), "--steps", "2", *SHORT, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (out / "train.log").read_text().splitlines()
+    warnings = [line for line in log if line.startswith(("tracker", "trackers"))]
+    assert len(warnings) == 2, warnings
+    assert any(line.startswith("tracker mlflow: cannot start (") for line in warnings)
+    assert (
+        "tracker wandb: the wandb package is missing (pip install wandb==0.31.0); the run goes on without it"
+        in warnings
+    )
+    assert log[-1].startswith("done: step 2")
+    files = "".join(path.read_text() for path in out.iterdir() if path.is_file())
+    assert "hunter2" not in result.stdout + result.stderr + files and uri not in files
+    assert not (out / "trackers.json").exists()  # no tracker run began

@@ -1,0 +1,232 @@
+"""log.report_to: the list setting, and the tracker thread's promises (one warning, never a held
+step, a bounded end), with stand-in trackers instead of MLflow and wandb."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import typing
+
+import pytest
+
+from trainer.config import ConfigError, load_config
+from trainer.run import trackers as trackers_module
+from trainer.run.trackers import Trackers, flat_config, metric_values, redact
+
+pytestmark = pytest.mark.unit
+
+
+def test_report_to_from_the_command_line_is_a_list_of_names():
+    cfg = load_config("eager", None, ["log.report_to=mlflow, wandb,mlflow"])
+    assert cfg.log.report_to == ["mlflow", "wandb"]
+    assert load_config("eager", None, ["log.report_to="]).log.report_to == []
+
+
+def test_report_to_from_a_machine_config_is_a_yaml_list(tmp_path):
+    machine = tmp_path / "machine.yml"
+    machine.write_text("log:\n  report_to: [wandb, tensorboard]\n")
+    assert load_config("eager", str(machine)).log.trackers() == ["tensorboard", "wandb"]
+    machine.write_text("log:\n  report_to: [wandb, 3]\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config("eager", str(machine))
+    assert caught.value.problems == [
+        f"machine config {machine}: log.report_to: expected a list of names (YAML [a, b]; a,b after "
+        "--set), got ['wandb', 3]"
+    ]
+
+
+def test_an_unknown_tracker_is_refused_with_the_known_ones():
+    with pytest.raises(ConfigError) as caught:
+        load_config("eager", None, ["log.report_to=mlflow,comet"])
+    assert caught.value.problems == [
+        "log.report_to: unknown tracker(s) 'comet' (known: tensorboard, mlflow, wandb)"
+    ]
+
+
+def test_log_tensorboard_true_still_means_tensorboard():
+    cfg = load_config("eager", None, ["log.tensorboard=true", "log.report_to=mlflow"])
+    assert cfg.log.trackers() == ["tensorboard", "mlflow"]
+
+
+def test_what_the_trackers_receive():
+    assert flat_config({"train": {"lr": 6e-4}, "log": {"report_to": ["mlflow", "wandb"]}}) == {
+        "train.lr": "0.0006",
+        "log.report_to": "mlflow,wandb",
+    }
+    row = {"kind": "eval", "step": 4, "tau": 1.5, "prompts": 4, "note": "x", "flag": True}
+    assert metric_values(row) == {"eval/tau": 1.5, "eval/prompts": 4.0}
+
+
+def test_a_warning_never_quotes_a_secret(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "s3cr3t-token")
+    text = "ConnectionError: https://bob:pw@mlflow.example.invalid/api failed, token s3cr3t-token\nmore"
+    assert redact(text) == (
+        "ConnectionError: https://<credentials>@mlflow.example.invalid/api failed, "
+        "token <MLFLOW_TRACKING_TOKEN>"
+    )
+
+
+class StandIn:
+    """A tracker that records its calls; `hold` blocks its metric calls, `fail_on` raises."""
+
+    name = "mlflow"
+    calls: typing.ClassVar[list] = []
+    hold = threading.Event()
+    fail_on: str | None = None
+
+    def __init__(self, out_dir, run_name):
+        self.calls = StandIn.calls  # this test's list, even when an earlier test's thread goes on
+
+    def call(self, what, *args):
+        if what == self.fail_on:
+            raise ConnectionError("http://user:pw@127.0.0.1:9/ refused")
+        self.calls.append((what, *args))
+
+    def start(self, state, config):
+        self.call("start", dict(state))
+        return {"run_id": state.get("run_id", "r1")}
+
+    def metric(self, row):
+        if not StandIn.hold.wait(30):
+            raise TimeoutError
+        self.call("metric", row["step"])
+
+    def event(self, index, row):
+        self.call("event", index, row["event"])
+
+    def end(self, outcome):
+        self.call("end", outcome)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setitem(trackers_module.TRACKER_CLASSES, "mlflow", StandIn)
+    StandIn.calls, StandIn.fail_on = [], None
+    StandIn.hold.set()
+    yield StandIn
+    StandIn.hold.set()
+
+
+def open_trackers(out_dir, lines):
+    return Trackers(["tensorboard", "mlflow"], out_dir, {"run": {"name": "eager"}}, lines.append)
+
+
+def test_a_slow_tracker_never_holds_a_step_and_the_end_is_bounded(tmp_path, stand_in, monkeypatch):
+    monkeypatch.setattr(trackers_module, "CLOSE_TIMEOUT_S", 0.5)
+    stand_in.hold.clear()
+    lines: list[str] = []
+    trackers = open_trackers(tmp_path, lines)
+    began = time.monotonic()
+    for step in range(50):
+        trackers.metric({"kind": "train", "step": step, "loss": 1.0})
+    assert time.monotonic() - began < 0.5
+    trackers.close("finished")
+    assert time.monotonic() - began < 2.0
+    assert len(lines) == 1 and lines[0].startswith("trackers: mlflow still busy after 0.5s")
+
+
+def test_events_go_once_and_a_resume_continues_the_same_tracker_run(tmp_path, stand_in):
+    events = tmp_path / "events.jsonl"
+    events.write_text(json.dumps({"event": "start", "text": "eager on vm: started"}) + "\n")
+    lines: list[str] = []
+    trackers = open_trackers(tmp_path, lines)
+    trackers.metric({"kind": "train", "step": 1, "loss": 1.0})
+    trackers.close("crashed")
+    assert stand_in.calls == [("start", {}), ("metric", 1), ("event", 1, "start"), ("end", "crashed")]
+    assert json.loads((tmp_path / "trackers.json").read_text()) == {
+        "mlflow": {"run_id": "r1", "events_sent": 1}
+    }
+    with events.open("a") as handle:
+        for name in ("crash", "restart"):
+            handle.write(json.dumps({"event": name, "text": name}) + "\n")
+    stand_in.calls = []
+    trackers = open_trackers(tmp_path, lines)
+    trackers.close("finished")
+    assert stand_in.calls == [
+        ("start", {"run_id": "r1", "events_sent": 1}), ("event", 2, "crash"), ("event", 3, "restart"),
+        ("end", "finished"),
+    ]  # fmt: skip
+    assert lines == []
+
+
+def test_a_failing_tracker_costs_one_warning_without_its_credentials(tmp_path, stand_in):
+    stand_in.fail_on = "metric"
+    lines: list[str] = []
+    trackers = open_trackers(tmp_path, lines)
+    for step in range(5):
+        trackers.metric({"kind": "train", "step": step, "loss": 1.0})
+    trackers.close("finished")
+    assert lines == [
+        "tracker mlflow: metric failed (ConnectionError: http://<credentials>@127.0.0.1:9/ refused); "
+        "the run goes on without it"
+    ]
+    assert ("end", "finished") not in stand_in.calls
+
+
+def test_an_unwritable_tracker_state_costs_one_warning(tmp_path, stand_in):
+    (tmp_path / "trackers.json").mkdir()  # neither readable nor replaceable as a file
+    lines: list[str] = []
+    trackers = open_trackers(tmp_path, lines)
+    (tmp_path / "events.jsonl").write_text(json.dumps({"event": "start", "text": "started"}) + "\n")
+    trackers.metric({"kind": "train", "step": 1, "loss": 1.0})
+    trackers.close("finished")
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("trackers: trackers.json is unreadable (IsADirectoryError)")
+    assert lines[1].startswith(f"trackers: cannot write {tmp_path / 'trackers.json'} (")
+    assert ("end", "finished") in stand_in.calls
+
+
+class Hanging(StandIn):
+    """A tracker whose start does not come back (a server that accepts and never answers)."""
+
+    name = "wandb"
+    release = threading.Event()
+
+    def start(self, state, config):
+        Hanging.release.wait(30)
+        return {}
+
+
+def test_a_hanging_tracker_holds_up_no_other(tmp_path, stand_in, monkeypatch):
+    monkeypatch.setitem(trackers_module.TRACKER_CLASSES, "wandb", Hanging)
+    monkeypatch.setattr(trackers_module, "CLOSE_TIMEOUT_S", 0.5)
+    Hanging.release.clear()
+    lines: list[str] = []
+    trackers = Trackers(["mlflow", "wandb"], tmp_path, {"run": {"name": "eager"}}, lines.append)
+    try:
+        trackers.metric({"kind": "train", "step": 1, "loss": 1.0})
+        trackers.close("finished")
+    finally:
+        Hanging.release.set()
+    assert stand_in.calls == [("start", {}), ("metric", 1), ("end", "finished")]
+    assert lines == [
+        "trackers: wandb still busy after 0.5s; the run ends without waiting (what did not reach a "
+        "tracker is in metrics.jsonl and events.jsonl)"
+    ]
+
+
+def test_the_run_output_tells_the_trackers_how_the_trainer_ended(tmp_path, stand_in):
+    from trainer.run.sinks import FileOutput
+
+    cfg = load_config("eager", None, ["log.report_to=mlflow"])
+    for stopped, error, told in (
+        (False, None, "finished"),
+        (True, None, "stopped"),
+        (
+            False,
+            ValueError("boom at http://u:secret@h/"),
+            "crashed: ValueError: boom at http://<credentials>@h/",
+        ),
+    ):
+        stand_in.calls.clear()
+        out = FileOutput(tmp_path, cfg)
+        try:
+            try:
+                if error is not None:
+                    raise error
+            finally:
+                out.close(stopped=stopped)
+        except ValueError:
+            pass
+        assert stand_in.calls[-1] == ("end", told)

@@ -1,0 +1,350 @@
+"""The team's experiment trackers (`log.report_to`: mlflow, wandb; tensorboard is sinks.py's).
+
+The rank that writes the run's files reports: the config when the run starts (flattened,
+`train.lr`, ...), every metric row (`train/loss`, `eval/tau`, `regen/tokens_per_s`, ... at the
+row's step), the lines of <out>/events.jsonl (start, regen, crash, restart, ...) and how this
+process ended (finished, stopped, crashed).
+
+- MLflow: the server MLFLOW_TRACKING_URI names (with MLFLOW_TRACKING_TOKEN or
+  MLFLOW_TRACKING_USERNAME/PASSWORD where it needs them), else a local store under <out>/mlruns
+  (MLflow's file store; `mlflow ui --backend-store-uri <out>/mlruns` shows it). Events are tags
+  (`dflash.event.0001`, ...; `dflash.state` the latest); the run ends FINISHED, KILLED (stopped)
+  or FAILED (crashed).
+- Weights & Biases: online with WANDB_API_KEY, else offline under <out>/wandb (`wandb sync`
+  uploads it later; WANDB_MODE, WANDB_PROJECT and WANDB_ENTITY are wandb's own). Events go to the
+  run's summary (`event`, `event_text`), crashes, restarts and failures also as alerts.
+
+A resumed run continues the same tracker runs: their ids are kept in <out>/trackers.json, with how
+many events each one was already sent. Each tracker works on a thread of its own, so a slow or
+unreachable server never holds a training step nor another tracker; a tracker that fails (package
+missing, server down, a call refused) costs one warning line and is left out for the rest of this
+process, and at the end the run waits at most CLOSE_TIMEOUT_S for the trackers to finish.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import re
+import secrets
+import string
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .events import read_events
+
+TRACKERS_FILE = "trackers.json"
+CLOSE_TIMEOUT_S = 60.0
+QUEUE_SIZE = 10_000
+PACKAGES = {"mlflow": "mlflow-skinny==3.17.2", "wandb": "wandb==0.31.0"}
+# Environment variables whose values are secrets: never in a warning, a log line or trackers.json.
+SECRET_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "WANDB_API_KEY")
+# How each way this process can end is said to each tracker.
+MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "KILLED", "crashed": "FAILED"}
+ALERT_EVENTS = ("crash", "restart", "failed")
+
+
+def flat_config(config: dict[str, Any]) -> dict[str, str]:
+    """{"train": {"lr": 6e-4}} -> {"train.lr": "0.0006"}: MLflow's params are flat strings."""
+    out = {}
+    for section, values in config.items():
+        for key, value in values.items():
+            out[f"{section}.{key}"] = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    return out
+
+
+def redact(text: str) -> str:
+    """One line of a library's error with every secret the environment holds taken out of it."""
+    for name in SECRET_ENV:
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, f"<{name}>")
+    text = re.sub(r"//[^/@\s]+@", "//<credentials>@", text)
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    return line[:300]
+
+
+def metric_values(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers of one metrics.jsonl row, named <kind>/<key> as in TensorBoard."""
+    kind = row.get("kind", "train")
+    return {
+        f"{kind}/{key}": float(value)
+        for key, value in row.items()
+        if key not in ("kind", "step") and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+
+
+class MlflowTracker:
+    name = "mlflow"
+
+    def __init__(self, out_dir: Path, run_name: str):
+        self.out_dir, self.run_name = out_dir, run_name
+
+    def start(self, state: dict, config: dict[str, Any]) -> dict:
+        """Continue the run state names when it is in the same store, else create one; the new state."""
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or str(self.out_dir / "mlruns")
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # MLflow 3 keeps its file store only on request; it needs no server and no database.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        # The store is kept as a hash: a tracking URI may hold credentials.
+        store = hashlib.sha256(uri.encode()).hexdigest()[:16]
+        if state.get("store") == store and state.get("run_id"):
+            self.run_id = state["run_id"]
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "dflash"
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+            self.run_id = self.client.create_run(experiment_id, run_name=self.run_name).info.run_id
+        self.log_config(flat_config(config))
+        return {"store": store, "run_id": self.run_id}
+
+    def log_config(self, config: dict[str, str]) -> None:
+        """The config as params; a resume that changed a setting (MLflow's params never change)
+        leaves the new value as the tag `resumed.<key>`."""
+        from mlflow.entities import Param, RunTag
+
+        logged = self.client.get_run(self.run_id).data.params
+        params = [Param(key, value[:6000]) for key, value in config.items() if key not in logged]
+        for first in range(0, len(params), 100):  # MLflow takes at most 100 params a call
+            self.client.log_batch(self.run_id, params=params[first : first + 100])
+        changed = [RunTag(f"resumed.{key}", value[:8000]) for key, value in config.items()
+                   if key in logged and logged[key] != value[:6000]]  # fmt: skip
+        if changed:
+            self.client.log_batch(self.run_id, tags=changed)
+
+    def metric(self, row: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        step = int(row.get("step", 0))
+        metrics = [Metric(key, value, now, step) for key, value in metric_values(row).items()]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def event(self, index: int, row: dict[str, Any]) -> None:
+        self.client.set_tag(self.run_id, f"dflash.event.{index:04d}", f"{row.get('time')} {row.get('text')}")
+        self.client.set_tag(self.run_id, "dflash.state", row.get("event", ""))
+
+    def end(self, outcome: str) -> None:
+        self.client.set_tag(self.run_id, "dflash.ended", outcome)
+        self.client.set_terminated(self.run_id, status=MLFLOW_STATUS[outcome.split(":", 1)[0]])
+
+
+class WandbTracker:
+    name = "wandb"
+
+    def __init__(self, out_dir: Path, run_name: str):
+        self.out_dir, self.run_name = out_dir, run_name
+        self.kinds: set[str] = set()
+
+    def start(self, state: dict, config: dict[str, Any]) -> dict:
+        import wandb
+
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        # wandb's own form of id: 8 lowercase letters and digits.
+        run_id = state.get("id") or "".join(
+            secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)
+        )
+        # console off: the trainer's stdout is the run's log and stays as it is.
+        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "dflash", name=self.run_name, id=run_id,
+            resume="allow", dir=str(self.out_dir), mode=mode, config=config, settings=settings,
+        )  # fmt: skip
+        if state.get("id"):
+            self.run.config.update(config, allow_val_change=True)  # a resume may change settings
+        return {"id": run_id}
+
+    def metric(self, row: dict[str, Any]) -> None:
+        kind = row.get("kind", "train")
+        if kind not in self.kinds:
+            # Each kind counts its own steps (regeneration's are conversations): wandb's own step
+            # only ever grows, so rows of different kinds would otherwise be dropped.
+            self.run.define_metric(f"{kind}/step")
+            self.run.define_metric(f"{kind}/*", step_metric=f"{kind}/step")
+            self.kinds.add(kind)
+        self.run.log({**metric_values(row), f"{kind}/step": int(row.get("step", 0))})
+
+    def event(self, index: int, row: dict[str, Any]) -> None:
+        self.run.summary["event"] = row.get("event", "")
+        self.run.summary["event_text"] = f"{row.get('time')} {row.get('text')}"
+        if row.get("event") in ALERT_EVENTS:
+            import wandb
+
+            level = wandb.AlertLevel.ERROR if row["event"] == "failed" else wandb.AlertLevel.WARN
+            self.run.alert(title=f"{row.get('run')}: {row['event']}", text=str(row.get("text")), level=level)
+
+    def end(self, outcome: str) -> None:
+        self.run.summary["ended"] = outcome
+        self.run.finish(exit_code=1 if outcome.startswith("crashed") else 0)
+
+
+TRACKER_CLASSES = {"mlflow": MlflowTracker, "wandb": WandbTracker}
+
+
+class Trackers:
+    """The trackers of one run, fed from the training thread; each works on a thread of its own, so
+    one that hangs holds neither a step nor the others."""
+
+    def __init__(self, names: list[str], out_dir: Path, config: dict[str, Any], warn: Callable[[str], None]):
+        self.out_dir, self.warn = out_dir, warn
+        self.lock = threading.Lock()  # trackers.json, written by every tracker's thread
+        self.unwritable = False
+        self.state = self.read_state()
+        run_name = os.environ.get("DFLASH_RUN_ID") or str(config["run"]["name"])
+        self.workers = [
+            TrackerWorker(self, TRACKER_CLASSES[name](out_dir, run_name), config)
+            for name in names
+            if name in TRACKER_CLASSES
+        ]
+
+    def metric(self, row: dict[str, Any]) -> None:
+        for worker in self.workers:
+            worker.submit(("metric", row))
+
+    def close(self, outcome: str) -> None:
+        """Send what is left and end each tracker's run, waiting at most CLOSE_TIMEOUT_S in all.
+        outcome: finished, stopped, or crashed: <the exception> (which the trackers are told)."""
+        outcome = redact(outcome)
+        for worker in self.workers:
+            worker.submit(("end", outcome))
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        for worker in self.workers:
+            worker.thread.join(max(0.0, deadline - time.monotonic()))
+        busy = [worker.tracker.name for worker in self.workers if worker.thread.is_alive()]
+        if busy:
+            self.warn(
+                f"trackers: {', '.join(busy)} still busy after {CLOSE_TIMEOUT_S:g}s; the run ends without "
+                "waiting (what did not reach a tracker is in metrics.jsonl and events.jsonl)"
+            )
+
+    def lost(self, name: str, what: str, exc: Exception) -> None:
+        """The one warning line of a tracker that is left out from now on."""
+        why = redact(f"{type(exc).__name__}: {exc}")
+        self.warn(f"tracker {name}: {what} ({why}); the run goes on without it")
+
+    def read_state(self) -> dict[str, Any]:
+        try:
+            state = json.loads((self.out_dir / TRACKERS_FILE).read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            self.warn(
+                f"trackers: {TRACKERS_FILE} is unreadable ({type(exc).__name__}); new tracker runs begin"
+            )
+            return {}
+        return state if isinstance(state, dict) else {}
+
+    def save(self, name: str, state: dict[str, Any]) -> None:
+        """One tracker's state into <out>/trackers.json, replaced whole (a crash mid-write leaves
+        the previous one)."""
+        with self.lock:
+            self.state[name] = state
+            path = self.out_dir / TRACKERS_FILE
+            part = path.with_name(f".{TRACKERS_FILE}.part")
+            try:
+                part.write_text(json.dumps(self.state, indent=1) + "\n")
+                os.replace(part, path)
+            except OSError as exc:
+                if not self.unwritable:
+                    self.warn(
+                        f"trackers: cannot write {path} ({exc.strerror}); a resume begins new tracker runs"
+                    )
+                self.unwritable = True
+
+
+class TrackerWorker:
+    """One tracker's thread: its start, then the rows and events in order, then its end."""
+
+    def __init__(self, owner: Trackers, tracker: Any, config: dict[str, Any]):
+        self.owner, self.tracker, self.config = owner, tracker, config
+        self.state = dict(owner.state.get(tracker.name) or {})
+        self.queue: queue.Queue = queue.Queue(QUEUE_SIZE)
+        self.dead = self.dropped = False
+        self.events_seen = -1  # the size of events.jsonl when last read
+        self.thread = threading.Thread(target=self.work, name=f"tracker-{tracker.name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, item: tuple) -> None:
+        if self.dead:
+            return
+        try:
+            self.queue.put_nowait(item)
+        except queue.Full:
+            if not self.dropped:
+                self.dropped = True
+                self.owner.warn(
+                    f"tracker {self.tracker.name}: {QUEUE_SIZE} rows behind; rows are left out until it "
+                    "catches up"
+                )
+
+    def work(self) -> None:
+        if not self.start():
+            return
+        while True:
+            kind, value = self.queue.get()
+            if kind == "metric" and not self.call("metric", value):
+                return
+            if not self.forward_events():
+                return
+            if kind == "end":
+                self.call("end", value)
+                return
+
+    def start(self) -> bool:
+        name = self.tracker.name
+        try:
+            sent = self.state.get("events_sent", 0)
+            self.state = {**self.tracker.start(self.state, self.config), "events_sent": sent}
+        except ImportError:
+            self.dead = True
+            self.owner.warn(
+                f"tracker {name}: the {name} package is missing (pip install {PACKAGES[name]}); "
+                "the run goes on without it"
+            )
+            return False
+        except Exception as exc:
+            self.dead = True
+            self.owner.lost(name, "cannot start", exc)
+            return False
+        self.owner.save(name, self.state)
+        return True
+
+    def call(self, method: str, *args: Any) -> bool:
+        """One call on the tracker; one that fails is warned about once and the tracker left out."""
+        try:
+            getattr(self.tracker, method)(*args)
+        except Exception as exc:
+            self.dead = True
+            self.owner.lost(self.tracker.name, f"{method} failed", exc)
+            return False
+        return True
+
+    def forward_events(self) -> bool:
+        """The lines of events.jsonl this tracker has not had yet (an earlier process's crash and
+        restart reach it when the resumed one starts)."""
+        try:
+            size = (self.owner.out_dir / "events.jsonl").stat().st_size
+        except OSError:
+            return True
+        if size == self.events_seen:
+            return True
+        self.events_seen = size
+        rows = read_events(self.owner.out_dir)
+        sent = int(self.state.get("events_sent", 0))
+        for index, row in enumerate(rows[sent:], start=sent + 1):
+            if not self.call("event", index, row):
+                return False
+            self.state["events_sent"] = index
+        if len(rows) > sent:
+            self.owner.save(self.tracker.name, dict(self.state))
+        return True
