@@ -41,8 +41,9 @@ def losses(out: Path) -> list[float]:
     return [row["loss"] for row in rows if row["kind"] == "train"]
 
 
-def launch(*args: str, log: Path, options: tuple[str, ...] = ()) -> subprocess.Popen:
-    """python -m trainer.launch OPTIONS -- ARGS, detached into its own session, output to log."""
+def launch(*args: str, log: Path, options: tuple[str, ...] = (), env: dict | None = None) -> subprocess.Popen:
+    """python -m trainer.launch OPTIONS -- ARGS, detached into its own session, output to log
+    (`env`: added to this environment)."""
     with log.open("ab") as handle:
         return subprocess.Popen(
             [sys.executable, "-m", "trainer.launch", *options, "--", *args],
@@ -51,6 +52,7 @@ def launch(*args: str, log: Path, options: tuple[str, ...] = ()) -> subprocess.P
             stdout=handle,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
 
 
