@@ -132,6 +132,11 @@ def test_stretches_count_each_shape_of_the_run_once():
     old = {"config": _setup().to_dict(), "rng": {"workers": [torch.get_rng_state()] * 3}}
     assert saved_shape(old) == Shape(3, "threaded")
     assert [(s["from_step"], s["workers"]) for s in stretches_after(old, one, 9, "t")] == [(0, 3), (9, 1)]
+    # Stretches that are not what this trainer writes are left out, never a crash.
+    bad = {**old, "stretches": ["x", {"from_step": 0, "workers": "2", "topology": "threaded"}]}
+    assert saved_shape(bad) == Shape(3, "threaded")
+    assert saved_shape({**old, "stretches": "garbage"}) == Shape(3, "threaded")
+    assert [(s["from_step"], s["workers"]) for s in stretches_after(bad, one, 9, "t")] == [(0, 3), (9, 1)]
 
 
 def test_re_derived_anchor_streams_are_new_and_reproducible():

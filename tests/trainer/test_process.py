@@ -291,6 +291,13 @@ def test_two_hosts_without_shared_storage_resume_from_rank_0(embedded, cache_dir
     third = run_both("--resume")
     assert f"at step {again} (this host's copy {copy})" in third[1], third[1]
     assert f"done: step {steps}" in third[0] and f"done: step {steps}" in third[1]
+    from trainer.run.runrecord import read_record
+
+    # One stretch: the same shape every time (the hosts counted from torchrun's node ranks).
+    stretches = read_record(outs[0])["stretches"]
+    assert [(s["from_step"], s["workers"], s["topology"], s["hosts"]) for s in stretches] == [
+        (0, 2, "process", 2)
+    ]
 
     reference = run_trainer(
         "--run",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -48,42 +49,71 @@ def data_line(text: str) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
-def test_threaded_two_then_one_then_two_workers(tmp_path, cache_dir, monkeypatch, capsys):
-    """2 workers stop at step 5, 1 worker resumes and stops at step 11, 2 workers finish step 20:
-    136 rows, past the end of the first epoch (128 rows), each of its conversations once."""
+def test_threaded_two_then_one_then_three_workers(tmp_path, cache_dir, monkeypatch, capsys):
+    """2 workers (optimizer sharded) stop at step 5; 1 worker resumes and is stopped before its first
+    step, then again at step 11; 3 workers (sharded) finish step 20: 172 rows, past the end of the
+    first epoch (128 rows), each of its conversations trained on once."""
     import trainer.data.rows
+    import trainer.run.train
+    from trainer.run.checkpoint import load_checkpoint
 
     out, trace = tmp_path / "run", tmp_path / "trace.jsonl"
     args = ["--run=eager", *COMMON, "--steps=20", f"--set=data.cache_dir={cache_dir}", "--out", str(out)]
+    sharded = "--set=parallel.shard_optimizer=true"
+    real_restore = trainer.run.train.Run.restore
+
+    def restore_then_stop(run, resume_from, shape):
+        step = real_restore(run, resume_from, shape)
+        os.kill(os.getpid(), signal.SIGTERM)  # a stop while the resume on another count sets up
+        return step
+
+    segments = (
+        ([2, sharded], 5, []),
+        ([1], -1, ["--resume"]),
+        ([1], 6, ["--resume"]),
+        ([3, sharded], 0, ["--resume"]),
+    )
     texts = []
-    for workers, stop_after, resume in ((2, 5, []), (1, 6, ["--resume"]), (2, 0, ["--resume"])):
+    for (workers, *more), stop_after, resume in segments:
         with monkeypatch.context() as patch:
-            recording = traced(trainer.data.rows.assemble, str(trace), stop_after)
+            recording = traced(trainer.data.rows.assemble, str(trace), max(stop_after, 0))
             patch.setattr(trainer.data.rows, "assemble", recording)
-            assert main([*args, f"--set=parallel.cpu_workers={workers}", *resume]) == 0
+            if stop_after < 0:
+                patch.setattr(trainer.run.train.Run, "restore", restore_then_stop)
+            assert main([*args, f"--set=parallel.cpu_workers={workers}", *more, *resume]) == 0
         texts.append(capsys.readouterr().out)
-    assert "stopped at step 5" in texts[0] and "stopped at step 11" in texts[1]
+    assert (
+        "stopped at step 5" in texts[0]
+        and "stopped at step 5" in texts[1]
+        and "stopped at step 11" in texts[2]
+    )
     checkpoint = out / "checkpoints" / "step_00000005.pt"
     conversations, rows = data_line(texts[0])
     assert rows == 128, texts[0]
-    assert (
-        f"resumed from {checkpoint} at step 5 on 1 worker thread (written by 2 worker threads): the data "
-        f"continues after conversation " in texts[1]
-    )
     line = next(line for line in texts[1].splitlines() if line.startswith("resumed from"))
+    assert line.startswith(
+        f"resumed from {checkpoint} at step 5 on 1 worker thread (written by 2 worker threads): the data "
+        f"continues after conversation "
+    )
     assert f"of {conversations} of epoch 1, the global batch is now 4 rows (was 8)" in line
-    assert line.endswith("the run is no longer bit-exact with the original")
-    assert "on 2 worker threads (written by 1 worker thread)" in texts[2]
-    assert "re-derived from the seed and step" in texts[2]
-    assert texts[2].splitlines()[-1].startswith("done: step 20, tau ")
-    # The step continues: each step trained once in all (the last row of a step wins in the views).
+    assert line.endswith(
+        "each worker's anchor stream re-derived from the seed and step; "
+        "the run is no longer bit-exact with the original"
+    )
+    # Step 5's checkpoint is now one worker's: resuming it on one worker changes nothing.
+    assert f"resumed from {checkpoint} at step 5\n" in texts[2]
+    assert "at step 11 on 3 worker threads (written by 1 worker thread)" in texts[3]
+    assert texts[3].splitlines()[-1].startswith("done: step 20, tau ")
+    # The step continues: each step trained once in all.
     assert trained_steps(out) == list(range(1, 21))
     seen = first_epoch(trace, rows)
     assert set(seen) == set(range(conversations)) and set(seen.values()) == {1}, (
         "every conversation of the first epoch is trained on exactly once"
     )
     batches = [len(json.loads(line)["conversations"]) for line in trace.read_text().splitlines()]
-    assert batches == [8] * 5 + [4] * 6 + [8] * 9  # the global batch follows the worker count
+    assert batches == [8] * 5 + [4] * 6 + [12] * 9  # the global batch follows the worker count
+    final = load_checkpoint(out / "checkpoints" / "step_00000020.pt")
+    assert [(s["from_step"], s["workers"]) for s in final["stretches"]] == [(0, 2), (5, 1), (11, 3)]
 
 
 def test_threaded_two_then_two_ranks_then_one_thread(embedded, cache_dir, tmp_path):

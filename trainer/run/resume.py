@@ -79,8 +79,8 @@ def this_shape(cfg: Config, workers: int, world) -> Shape:
 def saved_shape(state: dict) -> Shape:
     """The shape that wrote a checkpoint: its last stretch, or (a checkpoint from before stretches
     were kept) its worker generators and topology."""
-    stretches = state.get("stretches") or []
-    if stretches:
+    stretches = state.get("stretches")
+    if isinstance(stretches, list) and stretches and _well_formed(stretches[-1]):
         return _shape_of(stretches[-1])
     return Shape(len(state["rng"]["workers"]), config_from_dict(state["config"]).run.topology, 1)
 
@@ -91,13 +91,22 @@ def stretches_after(state: dict | None, shape: Shape, step: int, started_at: str
     new = {"from_step": step, **asdict(shape), "started_at": started_at}
     if state is None:
         return [new]
-    stretches = [dict(s) for s in state.get("stretches") or []]
+    stretches = state.get("stretches")
+    stretches = [dict(s) for s in stretches if _well_formed(s)] if isinstance(stretches, list) else []
     stretches = stretches or [{"from_step": 0, **asdict(saved_shape(state)), "started_at": None}]
     while stretches and _shape_of(stretches[-1]) != shape and stretches[-1]["from_step"] == step:
         stretches.pop()  # it ended where it began: that start stopped before its first step
     if stretches and _shape_of(stretches[-1]) == shape:
         return stretches
     return [*stretches, new]
+
+
+def _well_formed(stretch) -> bool:
+    return (
+        isinstance(stretch, dict)
+        and all(isinstance(stretch.get(key), int) for key in ("from_step", "workers"))
+        and stretch.get("topology") in ("threaded", "process")
+    )
 
 
 def _shape_of(stretch: dict) -> Shape:
@@ -244,9 +253,10 @@ def _refuse_if_any_rank_refuses(problems: list[str], world) -> None:
         raise BadInput(own[0] if own else f"rank {refused[0][0]}: {refused[0][1]}")
 
 
-def restore(state: dict, topology, loader: Loader, seed: int, shape: Shape) -> None:
+def restore(state: dict, topology, loader: Loader, seed: int = 0, shape: Shape | None = None) -> None:
     """Put a checkpoint's state into every replica, the loader and the random generators (each
-    worker's re-derived from the seed and step where the worker count changed)."""
+    worker's re-derived from the seed and step where the worker count changed; `shape`: this run's,
+    by default the checkpoint's own)."""
     for replica in topology.replicas:
         replica.drafter.load_state_dict(state["drafter"])
     load_optimizer_state(topology.replicas, state["optimizer"])
@@ -258,6 +268,7 @@ def restore(state: dict, topology, loader: Loader, seed: int, shape: Shape) -> N
         raise BadInput(f"--resume: {exc}") from None
     torch.set_rng_state(state["rng"]["torch"])
     saved = saved_shape(state)
+    shape = shape or saved
     workers = state["rng"]["workers"]
     if saved.workers != shape.workers:
         workers = [worker_generator_state(seed, rank, int(state["step"])) for rank in range(shape.workers)]
