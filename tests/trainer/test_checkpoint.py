@@ -130,12 +130,14 @@ def test_stretches_count_each_shape_of_the_run_once():
     assert ranks.text() == "4 torchrun ranks on 2 hosts" and one.text() == "1 worker thread"
     # A checkpoint from before stretches were kept: its workers and topology are the first stretch.
     old = {"config": _setup().to_dict(), "rng": {"workers": [torch.get_rng_state()] * 3}}
-    assert saved_shape(old) == Shape(3, "threaded")
+    assert saved_shape(old) == Shape(3, "threaded", 0)  # its hosts were not recorded
     assert [(s["from_step"], s["workers"]) for s in stretches_after(old, one, 9, "t")] == [(0, 3), (9, 1)]
+    assert saved_shape(old).same_as(Shape(3, "threaded")) and not saved_shape(old).same_as(one)
+    assert stretches_after(old, Shape(3, "threaded"), 9, "t")[0]["hosts"] == 1
     # Stretches that are not what this trainer writes are left out, never a crash.
     bad = {**old, "stretches": ["x", {"from_step": 0, "workers": "2", "topology": "threaded"}]}
-    assert saved_shape(bad) == Shape(3, "threaded")
-    assert saved_shape({**old, "stretches": "garbage"}) == Shape(3, "threaded")
+    assert saved_shape(bad) == Shape(3, "threaded", 0)
+    assert saved_shape({**old, "stretches": "garbage"}) == Shape(3, "threaded", 0)
     assert [(s["from_step"], s["workers"]) for s in stretches_after(bad, one, 9, "t")] == [(0, 3), (9, 1)]
 
 

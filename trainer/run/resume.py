@@ -60,7 +60,12 @@ class Shape:
 
     workers: int
     topology: str  # threaded (worker threads of one process) or process (torchrun ranks)
-    hosts: int = 1
+    hosts: int = 1  # 0: not recorded (a checkpoint from before stretches were kept)
+
+    def same_as(self, other: Shape) -> bool:
+        """The same workers, topology and hosts (hosts not recorded: taken as the same)."""
+        hosts = self.hosts == other.hosts or 0 in (self.hosts, other.hosts)
+        return self.workers == other.workers and self.topology == other.topology and hosts
 
     def text(self) -> str:
         unit = "worker thread" if self.topology == "threaded" else "torchrun rank"
@@ -82,7 +87,7 @@ def saved_shape(state: dict) -> Shape:
     stretches = state.get("stretches")
     if isinstance(stretches, list) and stretches and _well_formed(stretches[-1]):
         return _shape_of(stretches[-1])
-    return Shape(len(state["rng"]["workers"]), config_from_dict(state["config"]).run.topology, 1)
+    return Shape(len(state["rng"]["workers"]), config_from_dict(state["config"]).run.topology, 0)
 
 
 def stretches_after(state: dict | None, shape: Shape, step: int, started_at: str) -> list[dict]:
@@ -93,10 +98,13 @@ def stretches_after(state: dict | None, shape: Shape, step: int, started_at: str
         return [new]
     stretches = state.get("stretches")
     stretches = [dict(s) for s in stretches if _well_formed(s)] if isinstance(stretches, list) else []
-    stretches = stretches or [{"from_step": 0, **asdict(saved_shape(state)), "started_at": None}]
-    while stretches and _shape_of(stretches[-1]) != shape and stretches[-1]["from_step"] == step:
+    if not stretches:
+        saved = saved_shape(state)
+        saved = shape if saved.same_as(shape) else saved
+        stretches = [{"from_step": 0, **asdict(saved), "started_at": None}]
+    while stretches and not _shape_of(stretches[-1]).same_as(shape) and stretches[-1]["from_step"] == step:
         stretches.pop()  # it ended where it began: that start stopped before its first step
-    if stretches and _shape_of(stretches[-1]) == shape:
+    if stretches and _shape_of(stretches[-1]).same_as(shape):
         return stretches
     return [*stretches, new]
 
@@ -292,7 +300,7 @@ def describe_resume(point: ResumePoint, shape: Shape, loader: Loader, batch_size
     how = f" ({point.how})" if point.how else ""
     line = f"resumed from {point.path} at step {state['step']}{how}"
     saved = saved_shape(state)
-    if saved == shape:
+    if saved.same_as(shape):
         return line
     where = loader.position()
     streams = "re-derived from the seed and step" if saved.workers != shape.workers else "carried over"
