@@ -153,3 +153,31 @@ def test_re_derived_anchor_streams_are_new_and_reproducible():
     streams = {tuple(draws(worker_generator_state(3, rank, step))) for rank in (0, 1) for step in (40, 41)}
     original = torch.Generator().manual_seed(3 * 1000 + 1).get_state()  # worker 0's at step 0
     assert len(streams) == 4 and tuple(draws(original)) not in streams
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_resumed_launch_records_the_stretches_so_far_from_its_start(tmp_path, resume):
+    """trainer.launch's new record keeps the earlier record's stretches on --resume (status shows
+    them while a data stage runs, before the trainer writes them anew), not on a new start."""
+    import subprocess
+    import sys
+
+    from trainer.run.runrecord import read_record, write_record
+
+    from .conftest import REPO
+
+    out = tmp_path / "out"
+    stretches = [{"from_step": 0, "workers": 2, "topology": "threaded", "hosts": 1, "started_at": "t"}]
+    write_record(out, {"run": "eager", "state": "stopped", "stretches": stretches})
+    code = (
+        "import argparse, pathlib, sys; from trainer.config import load_config; "
+        "from trainer.launch import take_output; "
+        "take_output(pathlib.Path(sys.argv[1]), load_config('eager', None, [], None, None), "
+        "argparse.Namespace(resume=sys.argv[2] == 'True'), ['trainer'])"
+    )
+    argv = [sys.executable, "-c", code, str(out), str(resume)]
+    started = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0, started.stderr
+    record = read_record(out)
+    assert record["state"] == "running"
+    assert record.get("stretches") == (stretches if resume else None)
