@@ -294,10 +294,11 @@ def test_two_hosts_without_shared_storage_resume_from_rank_0(embedded, cache_dir
     from trainer.run.runrecord import read_record
 
     # One stretch: the same shape every time (the hosts counted from torchrun's node ranks).
-    stretches = read_record(outs[0])["stretches"]
-    assert [(s["from_step"], s["workers"], s["topology"], s["hosts"]) for s in stretches] == [
-        (0, 2, "process", 2)
-    ]
+    for out in outs:  # each host's record (each host's status reads its own)
+        stretches = read_record(out)["stretches"]
+        assert [(s["from_step"], s["workers"], s["topology"], s["hosts"]) for s in stretches] == [
+            (0, 2, "process", 2)
+        ]
 
     reference = run_trainer(
         "--run",

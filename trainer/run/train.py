@@ -319,7 +319,7 @@ class Run:
         state = resume_from.state if resume_from is not None else None
         step = int(state["step"]) if state is not None else 0
         self.stretches = stretches_after(state, shape, step, runrecord.utc_now())
-        if self.world.is_lead:
+        if self.world.local_rank == 0:  # every host's record (each host's status reads its own)
             runrecord.note(self.out_dir, stretches=self.stretches)
         if resume_from is None:
             return 0
