@@ -225,6 +225,11 @@ def take_output(out: Path, cfg, args: argparse.Namespace, cmd: list[str]) -> dic
         "state": "running",
         "restarts": [],
     }
+    earlier = runrecord.read_record(out) if args.resume else None
+    if earlier and isinstance(earlier.get("stretches"), list):
+        # What status shows until the trainer, once its checkpoint is restored, writes the stretches
+        # anew (from the checkpoint, with this start's): a data stage may come first and take hours.
+        record["stretches"] = earlier["stretches"]
     runrecord.write_record(out, record)
     runrecord.reserve_space(out)  # so that the record can say how the run ended on a full disk
     return record

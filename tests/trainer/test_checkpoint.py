@@ -94,3 +94,90 @@ def test_resume_from_corrupt_checkpoint_refused(tmp_path, capsys):
     assert code == 2
     assert len(err) == 1 and "truncated" in err[0] and "move it aside" in err[0]
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def _setup(*sets: str):
+    from trainer.config import load_config
+
+    return load_config("eager", None, list(sets), None, None)
+
+
+def test_another_worker_count_or_topology_resumes_another_batch_is_refused(tmp_path):
+    from trainer.run.resume import BadInput, check_resumable
+
+    saved = _setup("parallel.cpu_workers=8")
+    state = {"format": 1, "config": saved.to_dict(), "rng": {"workers": [torch.get_rng_state()] * 8}}
+    check_resumable(state, _setup("parallel.cpu_workers=7", "run.topology=process"), tmp_path)
+    with pytest.raises(BadInput, match=r"\(train.batch_size: checkpoint \d+, now 3\); resume with the same"):
+        check_resumable(state, _setup("train.batch_size=3"), tmp_path)
+
+
+def test_stretches_count_each_shape_of_the_run_once():
+    from trainer.run.resume import Shape, saved_shape, stretches_after
+
+    two, one = Shape(2, "threaded"), Shape(1, "threaded")
+    ranks = Shape(4, "process", 2)
+    first = stretches_after(None, two, 0, "t0")
+    assert first == [{"from_step": 0, "workers": 2, "topology": "threaded", "hosts": 1, "started_at": "t0"}]
+    assert stretches_after({"stretches": first}, two, 40, "t1") == first  # same shape: one stretch
+    second = stretches_after({"stretches": first}, one, 40, "t1")
+    assert [(s["from_step"], s["workers"]) for s in second] == [(0, 2), (40, 1)]
+    assert saved_shape({"stretches": second}) == one
+    # A start that stopped before its first step leaves no stretch of its own.
+    third = stretches_after({"stretches": second}, ranks, 40, "t2")
+    assert [(s["from_step"], s["workers"], s["hosts"]) for s in third] == [(0, 2, 1), (40, 4, 2)]
+    assert stretches_after({"stretches": second}, two, 40, "t2") == first
+    assert ranks.text() == "4 torchrun ranks on 2 hosts" and one.text() == "1 worker thread"
+    # A checkpoint from before stretches were kept: its workers and topology are the first stretch.
+    old = {"config": _setup().to_dict(), "rng": {"workers": [torch.get_rng_state()] * 3}}
+    assert saved_shape(old) == Shape(3, "threaded", 0)  # its hosts were not recorded
+    assert [(s["from_step"], s["workers"]) for s in stretches_after(old, one, 9, "t")] == [(0, 3), (9, 1)]
+    assert saved_shape(old).same_as(Shape(3, "threaded")) and not saved_shape(old).same_as(one)
+    assert stretches_after(old, Shape(3, "threaded"), 9, "t")[0]["hosts"] == 1
+    # Stretches that are not what this trainer writes are left out, never a crash.
+    bad = {**old, "stretches": ["x", {"from_step": 0, "workers": "2", "topology": "threaded"}]}
+    assert saved_shape(bad) == Shape(3, "threaded", 0)
+    assert saved_shape({**old, "stretches": "garbage"}) == Shape(3, "threaded", 0)
+    assert [(s["from_step"], s["workers"]) for s in stretches_after(bad, one, 9, "t")] == [(0, 3), (9, 1)]
+
+
+def test_re_derived_anchor_streams_are_new_and_reproducible():
+    from trainer.run.resume import worker_generator_state
+
+    def draws(state):
+        generator = torch.Generator()
+        generator.set_state(state)
+        return torch.randint(0, 1 << 30, (4,), generator=generator).tolist()
+
+    assert draws(worker_generator_state(3, 0, 40)) == draws(worker_generator_state(3, 0, 40))
+    streams = {tuple(draws(worker_generator_state(3, rank, step))) for rank in (0, 1) for step in (40, 41)}
+    original = torch.Generator().manual_seed(3 * 1000 + 1).get_state()  # worker 0's at step 0
+    assert len(streams) == 4 and tuple(draws(original)) not in streams
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_resumed_launch_records_the_stretches_so_far_from_its_start(tmp_path, resume):
+    """trainer.launch's new record keeps the earlier record's stretches on --resume (status shows
+    them while a data stage runs, before the trainer writes them anew), not on a new start."""
+    import subprocess
+    import sys
+
+    from trainer.run.runrecord import read_record, write_record
+
+    from .conftest import REPO
+
+    out = tmp_path / "out"
+    stretches = [{"from_step": 0, "workers": 2, "topology": "threaded", "hosts": 1, "started_at": "t"}]
+    write_record(out, {"run": "eager", "state": "stopped", "stretches": stretches})
+    code = (
+        "import argparse, pathlib, sys; from trainer.config import load_config; "
+        "from trainer.launch import take_output; "
+        "take_output(pathlib.Path(sys.argv[1]), load_config('eager', None, [], None, None), "
+        "argparse.Namespace(resume=sys.argv[2] == 'True'), ['trainer'])"
+    )
+    argv = [sys.executable, "-c", code, str(out), str(resume)]
+    started = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0, started.stderr
+    record = read_record(out)
+    assert record["state"] == "running"
+    assert record.get("stretches") == (stretches if resume else None)

@@ -41,8 +41,9 @@ def losses(out: Path) -> list[float]:
     return [row["loss"] for row in rows if row["kind"] == "train"]
 
 
-def launch(*args: str, log: Path, options: tuple[str, ...] = ()) -> subprocess.Popen:
-    """python -m trainer.launch OPTIONS -- ARGS, detached into its own session, output to log."""
+def launch(*args: str, log: Path, options: tuple[str, ...] = (), env: dict | None = None) -> subprocess.Popen:
+    """python -m trainer.launch OPTIONS -- ARGS, detached into its own session, output to log
+    (`env`: added to this environment)."""
     with log.open("ab") as handle:
         return subprocess.Popen(
             [sys.executable, "-m", "trainer.launch", *options, "--", *args],
@@ -51,6 +52,7 @@ def launch(*args: str, log: Path, options: tuple[str, ...] = ()) -> subprocess.P
             stdout=handle,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
 
 
@@ -289,6 +291,14 @@ def test_two_hosts_without_shared_storage_resume_from_rank_0(embedded, cache_dir
     third = run_both("--resume")
     assert f"at step {again} (this host's copy {copy})" in third[1], third[1]
     assert f"done: step {steps}" in third[0] and f"done: step {steps}" in third[1]
+    from trainer.run.runrecord import read_record
+
+    # One stretch: the same shape every time (the hosts counted from torchrun's node ranks).
+    for out in outs:  # each host's record (each host's status reads its own)
+        stretches = read_record(out)["stretches"]
+        assert [(s["from_step"], s["workers"], s["topology"], s["hosts"]) for s in stretches] == [
+            (0, 2, "process", 2)
+        ]
 
     reference = run_trainer(
         "--run",

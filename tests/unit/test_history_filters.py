@@ -121,7 +121,7 @@ def test_a_lost_ledger_still_lists_what_the_target_remembers():
     assert row["run_id"] == "nographs-a-77" and row["state"] == "finished" and row["in_ledger"] is False
     assert row["duration_s"] == 600
     assert history.run_table([]) == [
-        "RUN  HOST  STATE  STARTED  TIME  STEP  LOSS  TAU best/last  TOK/S  EXIT",
+        "RUN  HOST  STATE  STARTED  TIME  STEP  WORKERS  LOSS  TAU best/last  TOK/S  EXIT",
         "no runs recorded yet",
     ]
 
@@ -276,3 +276,31 @@ def test_a_launch_regenerating_its_data_says_so_and_its_end_names_the_data():
     assert rows["busy"]["state"] == "regenerating"
     assert rows["prep"]["state"] == "finished"
     assert rows["prep"]["exit_reason"] == "finished; regenerated 800,000 conversations"
+
+
+def test_the_worker_count_of_each_stretch_in_runs_and_status():
+    """A run that resumed on another shape: the table's WORKERS cell and status's workers line."""
+    stretches = [
+        {"from_step": 0, "workers": 8, "topology": "process", "hosts": 2},
+        {"from_step": 400, "workers": 7, "topology": "process", "hosts": 1},
+        {"from_step": 900, "workers": 1, "topology": "threaded", "hosts": 1},
+        "garbage",
+        {"from_step": 950},  # no worker count: left out
+    ]
+    ledger = [record("long", 10, "2026-01-01T10:00:00Z", "stopped")]
+    events = [event("start", 10, "2026-01-01T10:00:01Z"), event("stop", 10, "2026-01-01T11:00:00Z")]
+    histories = {"ct200": [entry("long", events, stretches=stretches, last_step=950)]}
+    rows = history.run_rows(ledger, histories, {"ct200": {"10": False}})
+    assert rows[0]["stretches"] == stretches
+    table = history.run_table(rows)
+    at = table[0].index("WORKERS")
+    assert table[1][at:].split()[0] == "8>7>1"
+    assert history.run_table(history.run_rows(ledger, {"ct200": [entry("long", events)]}))[1][at:].startswith(
+        "-"
+    )
+    lines = curves.curve_lines({"stretches": stretches}, pid=10)
+    assert lines == [
+        "  workers  8 torchrun ranks on 2 hosts from step 0, 7 torchrun ranks from step 400, "
+        "1 worker thread from step 900"
+    ]
+    assert curves.curve_lines({"stretches": "garbage"}) == []

@@ -52,6 +52,20 @@ def test_a_run_is_summarized_from_its_files(run_module, tmp_path) -> None:
     assert [event["event"] for event in run["events"]] == ["start", "finish"]
     assert run["events"][1]["run_id"] == "nographs-a-1" and run["events"][1]["exit_status"] == 0
     assert "series" not in run
+    assert run["stretches"] == []  # no run record here
+
+
+def test_the_run_records_stretches_are_returned_and_bad_ones_ignored(run_module, tmp_path) -> None:
+    from trainer.run.runrecord import write_record
+
+    out = tmp_path / "runs" / "process"
+    write_run(out, train=[(10, 4.0, 100.0)])
+    stretches = [{"from_step": 0, "workers": 2, "topology": "process", "hosts": 1}, 7]
+    write_record(out, {"run": "process", "stretches": stretches})
+    (run,) = history(run_module, outs=[str(out)])["runs"]
+    assert run["stretches"] == stretches[:1]
+    write_record(out, {"run": "process", "stretches": "garbage"})
+    assert history(run_module, outs=[str(out)])["runs"][0]["stretches"] == []
 
 
 def test_points_return_the_series_thinned_keeping_the_last(run_module, tmp_path) -> None:

@@ -180,6 +180,19 @@ class Loader:
             self.cursor += 1
         return assemble(self.train_set, picked)
 
+    def position(self) -> dict:
+        """Where the loader is in its epoch: the epoch (from 0), the rows and the conversations
+        consumed of it, and how many it has."""
+        sizes = np.diff(self.train_set.row_offsets)
+        done = int(sizes[self.order[: self.cursor].numpy()].sum())
+        return {
+            "epoch": self.epoch,
+            "rows_done": self.cursor,
+            "rows": self.train_set.rows,
+            "conversations_done": done,
+            "conversations": int(sizes.sum()),
+        }
+
     def state_dict(self) -> dict:
         return {
             "epoch": self.epoch,

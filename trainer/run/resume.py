@@ -1,10 +1,22 @@
 """What a checkpoint holds, and how a run resumes from one.
 
 A checkpoint carries everything an exact resume needs: the config, the drafter, the optimizer and
-schedule, the data position and every random state (the host's, each worker's anchor generator,
-the CUDA generators). `find_resume_point` picks and verifies the checkpoint to continue from;
-`restore` puts it into the replicas. Checking happens before anything is written: a checkpoint of
-another format or another setup is refused (BadInput, exit 2).
+schedule, the data position, every random state (the host's, each worker's anchor generator, the
+CUDA generators) and the run's stretches (the worker count and topology of each part of the run).
+`find_resume_point` picks and verifies the checkpoint to continue from; `restore` puts it into the
+replicas. Checking happens before anything is written: a checkpoint of another format or another
+setup (model, data, batch per worker, sequence length, seed) is refused (BadInput, exit 2).
+
+Another shape of machine is not another setup: a checkpoint written by N workers (worker threads
+or torchrun ranks, on one host or several) resumes on M. The drafter and the optimizer state are
+the same whatever the worker count (replicas hold the same weights; a sharded optimizer's state is
+stored unsharded); the step counter and the learning-rate schedule continue by step; the loader
+continues from the rows it had consumed (its position is a count of rows in the epoch's fixed
+order, not of batches), so within the epoch no conversation is seen twice and none is skipped,
+only the global batch (train.batch_size x workers) changes from there. Each worker's anchor
+generator is re-derived from the seed, its rank and the step (with the same worker count the
+saved ones carry over, rank for rank). The resume line says what changed; such a run is no longer
+bit-exact with the original.
 
 In the process topology no shared storage is needed: rank 0 decides (its newest checkpoint); a
 rank whose own --out holds the same file (same name, same payload SHA-256) loads it from there;
@@ -15,7 +27,9 @@ one rank failing while the others wait in a collective.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -40,7 +54,76 @@ class BadInput(Exception):
     """Bad input found only once work has begun (e.g. an unusable checkpoint): exit 2."""
 
 
-def checkpoint_state(step: int, cfg: Config, topology, loader: Loader, tau0: float | None) -> dict:
+@dataclass(frozen=True)
+class Shape:
+    """How many workers a stretch of the run had, and how they ran."""
+
+    workers: int
+    topology: str  # threaded (worker threads of one process) or process (torchrun ranks)
+    hosts: int = 1  # 0: not recorded (a checkpoint from before stretches were kept)
+
+    def same_as(self, other: Shape) -> bool:
+        """The same workers, topology and hosts (hosts not recorded: taken as the same)."""
+        hosts = self.hosts == other.hosts or 0 in (self.hosts, other.hosts)
+        return self.workers == other.workers and self.topology == other.topology and hosts
+
+    def text(self) -> str:
+        unit = "worker thread" if self.topology == "threaded" else "torchrun rank"
+        hosts = f" on {self.hosts} hosts" if self.hosts > 1 else ""
+        return f"{self.workers} {unit}{'' if self.workers == 1 else 's'}{hosts}"
+
+
+def this_shape(cfg: Config, workers: int, world) -> Shape:
+    """The shape of this start (a collective in the process topology: the hosts are counted by
+    torchrun's node rank, GROUP_RANK, of every rank)."""
+    if cfg.run.topology != "process" or world.world_size == 1:
+        return Shape(workers, cfg.run.topology, 1)
+    return Shape(workers, "process", len(set(world.gather(os.environ.get("GROUP_RANK", "0")))))
+
+
+def saved_shape(state: dict) -> Shape:
+    """The shape that wrote a checkpoint: its last stretch, or (a checkpoint from before stretches
+    were kept) its worker generators and topology."""
+    stretches = state.get("stretches")
+    if isinstance(stretches, list) and stretches and _well_formed(stretches[-1]):
+        return _shape_of(stretches[-1])
+    return Shape(len(state["rng"]["workers"]), config_from_dict(state["config"]).run.topology, 0)
+
+
+def stretches_after(state: dict | None, shape: Shape, step: int, started_at: str) -> list[dict]:
+    """The run's stretches once this start is counted ({from_step, workers, topology, hosts,
+    started_at} each, oldest first): a new one where the shape changed."""
+    new = {"from_step": step, **asdict(shape), "started_at": started_at}
+    if state is None:
+        return [new]
+    stretches = state.get("stretches")
+    stretches = [dict(s) for s in stretches if _well_formed(s)] if isinstance(stretches, list) else []
+    if not stretches:
+        saved = saved_shape(state)
+        saved = shape if saved.same_as(shape) else saved
+        stretches = [{"from_step": 0, **asdict(saved), "started_at": None}]
+    while stretches and not _shape_of(stretches[-1]).same_as(shape) and stretches[-1]["from_step"] == step:
+        stretches.pop()  # it ended where it began: that start stopped before its first step
+    if stretches and _shape_of(stretches[-1]).same_as(shape):
+        return stretches
+    return [*stretches, new]
+
+
+def _well_formed(stretch) -> bool:
+    return (
+        isinstance(stretch, dict)
+        and all(isinstance(stretch.get(key), int) for key in ("from_step", "workers"))
+        and stretch.get("topology") in ("threaded", "process")
+    )
+
+
+def _shape_of(stretch: dict) -> Shape:
+    return Shape(int(stretch["workers"]), str(stretch["topology"]), int(stretch.get("hosts", 1)))
+
+
+def checkpoint_state(
+    step: int, cfg: Config, topology, loader: Loader, tau0: float | None, stretches: list[dict] | None = None
+) -> dict:
     """The whole training state at `step` (a collective in the process topology)."""
     first = topology.replicas[0]
     workers, cuda_states = topology.worker_rng()
@@ -55,11 +138,13 @@ def checkpoint_state(step: int, cfg: Config, topology, loader: Loader, tau0: flo
         "data": loader.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "cuda": cuda_states, "workers": workers},
         "tau0": -1.0 if tau0 is None else tau0,  # -1: step-0 evaluation not finished
+        "stretches": list(stretches or []),
     }
 
 
-def check_resumable(state: dict, cfg: Config, workers: int, path: Path) -> None:
-    """Refuse (before anything is written) a checkpoint of another format or another setup."""
+def check_resumable(state: dict, cfg: Config, path: Path) -> None:
+    """Refuse (before anything is written) a checkpoint of another format or another setup. Another
+    worker count or topology is no other setup: see the module's docstring."""
     if state.get("format") != CHECKPOINT_FORMAT:
         raise BadInput(
             f"checkpoint {path} has format {state.get('format')}, this trainer reads {CHECKPOINT_FORMAT}"
@@ -76,10 +161,6 @@ def check_resumable(state: dict, cfg: Config, workers: int, path: Path) -> None:
             differences.append(
                 f"train.{key}: checkpoint {getattr(saved.train, key)!r}, now {getattr(cfg.train, key)!r}"
             )
-    if len(state["rng"]["workers"]) != workers:
-        differences.append(f"workers: checkpoint {len(state['rng']['workers'])}, now {workers}")
-    if saved.run.topology != cfg.run.topology:
-        differences.append(f"run.topology: checkpoint {saved.run.topology!r}, now {cfg.run.topology!r}")
     if differences:
         raise BadInput(
             f"--resume: {path} was written by a different setup ({'; '.join(differences)}); "
@@ -96,12 +177,12 @@ class ResumePoint:
     how: str = ""  # on ranks of other hosts: "this host's copy <path>" or "received from rank 0"
 
 
-def find_resume_point(cfg: Config, out_dir: Path, workers: int, world) -> ResumePoint | None:
+def find_resume_point(cfg: Config, out_dir: Path, world) -> ResumePoint | None:
     """The checkpoint --resume continues from, verified and checked on every rank; None: start at
     step 0. A collective when there are several ranks."""
     directory = out_dir / "checkpoints"
     if world.world_size == 1:
-        return _newest_of_this_host(cfg, directory, workers)
+        return _newest_of_this_host(cfg, directory)
     chosen, problem, raw, state = _rank0_choice(directory, world)
     if problem is not None:
         raise BadInput(problem if world.is_lead else f"rank 0: {problem}")
@@ -124,14 +205,14 @@ def find_resume_point(cfg: Config, out_dir: Path, workers: int, world) -> Resume
     del raw
     if state is not None:
         try:
-            check_resumable(state, cfg, workers, Path(lead_path))
+            check_resumable(state, cfg, Path(lead_path))
         except BadInput as exc:
             problems.append(str(exc))
     _refuse_if_any_rank_refuses(problems, world)
     return ResumePoint(state, Path(lead_path), how)
 
 
-def _newest_of_this_host(cfg: Config, directory: Path, workers: int) -> ResumePoint | None:
+def _newest_of_this_host(cfg: Config, directory: Path) -> ResumePoint | None:
     checkpoints = list_checkpoints(directory)
     if not checkpoints:
         return None
@@ -140,7 +221,7 @@ def _newest_of_this_host(cfg: Config, directory: Path, workers: int) -> ResumePo
         state = load_checkpoint(path)
     except CheckpointError as exc:
         raise BadInput(f"{exc}; move it aside to resume from the one before it") from None
-    check_resumable(state, cfg, workers, path)
+    check_resumable(state, cfg, path)
     return ResumePoint(state, path)
 
 
@@ -180,8 +261,10 @@ def _refuse_if_any_rank_refuses(problems: list[str], world) -> None:
         raise BadInput(own[0] if own else f"rank {refused[0][0]}: {refused[0][1]}")
 
 
-def restore(state: dict, topology, loader: Loader) -> None:
-    """Put a checkpoint's state into every replica, the loader and the random generators."""
+def restore(state: dict, topology, loader: Loader, seed: int = 0, shape: Shape | None = None) -> None:
+    """Put a checkpoint's state into every replica, the loader and the random generators (each
+    worker's re-derived from the seed and step where the worker count changed; `shape`: this run's,
+    by default the checkpoint's own)."""
     for replica in topology.replicas:
         replica.drafter.load_state_dict(state["drafter"])
     load_optimizer_state(topology.replicas, state["optimizer"])
@@ -192,4 +275,39 @@ def restore(state: dict, topology, loader: Loader) -> None:
     except ValueError as exc:  # the rows differ: other data, or a checkpoint from before packing
         raise BadInput(f"--resume: {exc}") from None
     torch.set_rng_state(state["rng"]["torch"])
-    topology.set_worker_rng(state["rng"]["workers"], state["rng"]["cuda"])
+    saved = saved_shape(state)
+    shape = shape or saved
+    workers = state["rng"]["workers"]
+    if saved.workers != shape.workers:
+        workers = [worker_generator_state(seed, rank, int(state["step"])) for rank in range(shape.workers)]
+    # CUDA generator states are kept per device (threads) or per rank (processes), and only for
+    # the same workers; nothing in training draws from them (anchors come from the CPU generators).
+    same_workers = saved.workers == shape.workers and saved.topology == shape.topology
+    topology.set_worker_rng(workers, state["rng"]["cuda"] if same_workers else {})
+
+
+def worker_generator_state(seed: int, rank: int, step: int) -> torch.Tensor:
+    """The anchor generator of worker `rank` in a run that changed its worker count at `step`: a
+    stream of its own, from the seed, the rank and the step (not one the run used before)."""
+    digest = hashlib.sha256(f"dflash-anchors|{seed}|{rank}|{step}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1).get_state()
+
+
+def describe_resume(point: ResumePoint, shape: Shape, loader: Loader, batch_size: int) -> str:
+    """The resume line: as before when nothing changed; else, in the same line, what changed and how
+    the run continues."""
+    state = point.state
+    how = f" ({point.how})" if point.how else ""
+    line = f"resumed from {point.path} at step {state['step']}{how}"
+    saved = saved_shape(state)
+    if saved.same_as(shape):
+        return line
+    where = loader.position()
+    streams = "re-derived from the seed and step" if saved.workers != shape.workers else "carried over"
+    return (
+        f"{line} on {shape.text()} (written by {saved.text()}): the data continues after conversation "
+        f"{where['conversations_done']} of {where['conversations']} of epoch {where['epoch'] + 1}, "
+        f"the global batch is now {shape.workers * batch_size} rows (was {saved.workers * batch_size}); "
+        "the step count, learning-rate schedule and optimizer state continue by step, each worker's "
+        f"anchor stream {streams}; the run is no longer bit-exact with the original"
+    )

@@ -42,7 +42,17 @@ from .checkpoint import prune_checkpoints, save_checkpoint
 from .environment import resolve_devices
 from .recompiles import RecompileWatch
 from .regen import DataSource, Engines, prepare_data
-from .resume import BadInput, ResumePoint, checkpoint_state, find_resume_point, restore
+from .resume import (
+    BadInput,
+    ResumePoint,
+    Shape,
+    checkpoint_state,
+    describe_resume,
+    find_resume_point,
+    restore,
+    stretches_after,
+    this_shape,
+)
 from .sinks import Output, open_output
 
 __all__ = ["BadInput", "Diverged", "train"]  # the command line turns both into exit status 2
@@ -90,6 +100,7 @@ class Placement:
     devices: list[torch.device]
     world: World
     workers: int
+    shape: Shape  # the workers, topology and hosts: the run record's and checkpoint's stretch
 
 
 @dataclass
@@ -120,10 +131,11 @@ def place_workers(cfg: Config) -> Placement:
             world = ProcessWorld(devices, cfg.parallel.step_timeout_s)
         except ProcessSetupError as exc:
             raise BadInput(str(exc)) from None
-        return Placement([world.device], world, world.world_size)
+        return Placement([world.device], world, world.world_size, this_shape(cfg, world.world_size, world))
     if devices == [torch.device("cpu")]:
         devices = devices * cfg.parallel.cpu_workers
-    return Placement(devices, ThreadedWorld(), len(devices))
+    world = ThreadedWorld()
+    return Placement(devices, world, len(devices), this_shape(cfg, len(devices), world))
 
 
 def train(cfg: Config, out_dir: Path, resume: bool) -> int:
@@ -139,7 +151,7 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
 def run_training(cfg: Config, out_dir: Path, resume: bool, place: Placement) -> int:
     """The run on this process (threads: the only call; processes: one per rank)."""
     world = place.world
-    resume_from = find_resume_point(cfg, out_dir, place.workers, world) if resume else None
+    resume_from = find_resume_point(cfg, out_dir, world) if resume else None
     out = open_output(cfg, out_dir, writes_files=world.is_lead, prints_lines=world.local_rank == 0)
     stop = StopFlag()
     stop.install()
@@ -156,7 +168,7 @@ def run_training(cfg: Config, out_dir: Path, resume: bool, place: Placement) -> 
         if world.any(prepared is None):
             return checkpoint_and_stop(out, stop, world, out_dir, 0)
         run = Run(cfg, out_dir, out, stop, world, topology, models, *prepared)
-        step = run.restore(resume_from)
+        step = run.restore(resume_from, place.shape)
         resume_from = None  # the state's tensors are in the model now: drop the copy
         return training_loop(run, step)
     finally:
@@ -327,24 +339,29 @@ class Run:
         self.best_tau: float | None = None  # the best evaluation so far: its step is checkpointed
         self.new_best = False  # the evaluation of this step gave the best tau so far
         self.last_save = time.monotonic()  # for train.checkpoint_every_s
+        self.stretches: list[dict] = []
 
-    def restore(self, resume_from: ResumePoint | None) -> int:
-        """The step to start from: 0, or the checkpoint's (its state restored everywhere)."""
+    def restore(self, resume_from: ResumePoint | None, shape: Shape) -> int:
+        """The step to start from: 0, or the checkpoint's (its state restored everywhere, on this
+        shape of machine); the run's stretches go into the run record."""
+        state = resume_from.state if resume_from is not None else None
+        step = int(state["step"]) if state is not None else 0
+        self.stretches = stretches_after(state, shape, step, runrecord.utc_now())
+        if self.world.local_rank == 0:  # every host's record (each host's status reads its own)
+            runrecord.note(self.out_dir, stretches=self.stretches)
         if resume_from is None:
             return 0
-        state = resume_from.state
-        restore(state, self.topology, self.loader)
+        restore(state, self.topology, self.loader, self.cfg.train.seed, shape)
         self.tau0 = state["tau0"] if state["tau0"] >= 0 else None
-        how = f" ({resume_from.how})" if resume_from.how else ""
-        self.out.line(f"resumed from {resume_from.path} at step {state['step']}{how}")
+        self.out.line(describe_resume(resume_from, shape, self.loader, self.cfg.train.batch_size))
         if self.world.is_lead:
             # A resumed run's latest tau is its last evaluation, not the first one.
             last_eval = runrecord.last_metrics(self.out_dir)["eval"]
             if last_eval and last_eval.get("step", -1) <= state["step"]:
                 self.tau = float(last_eval["tau"])
-            taus = evaluations(self.out_dir, up_to=state["step"])
+            taus = evaluations(self.out_dir, up_to=step)
             self.best_tau = max(taus.values()) if taus else None
-        return int(state["step"])
+        return step
 
     def evaluate(self, step: int) -> float | None:
         """tau on the held-out prompts (rank 0's, logged on every host); None if a stop came."""
@@ -375,7 +392,7 @@ class Run:
         if self.world.any(not finite):
             self.diverged(step, "the drafter's weights are not finite")
         began = time.monotonic()
-        state = checkpoint_state(step, self.cfg, self.topology, self.loader, self.tau0)
+        state = checkpoint_state(step, self.cfg, self.topology, self.loader, self.tau0, self.stretches)
         writer = self.world.is_lead
         path = save_checkpoint(self.out_dir / "checkpoints", step, state) if writer else None
         self.last_save = time.monotonic()

@@ -1,6 +1,6 @@
 # Copyright: contributors to the DFlash CT 200 project
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Filters: text sparklines of a run's curves, for status.yml."""
+"""Filters: text sparklines of a run's curves, and the worker count of each stretch, for status.yml."""
 
 from __future__ import annotations
 
@@ -88,7 +88,26 @@ def curve_lines(run: dict | None, pid=None, width: int = 40) -> list[str]:
             f"  restarts {len(restarts)} (last at {last.get('time')}, step {last.get('step')}: "
             f"{last.get('reason')})"
         )
+    shapes = stretches_text(run.get("stretches"))
+    if shapes:
+        lines.append(f"  workers  {shapes}")
     return lines
+
+
+def stretches_text(stretches) -> str:
+    """The worker count of each stretch of a run, as the run record's `stretches` give them:
+    `2 worker threads from step 0, 1 worker thread from step 40`; "" where there are none."""
+    words = []
+    for stretch in stretches or []:
+        if not isinstance(stretch, dict) or not isinstance(stretch.get("workers"), int):
+            continue
+        workers = stretch["workers"]
+        unit = "torchrun rank" if stretch.get("topology") == "process" else "worker thread"
+        hosts = stretch.get("hosts")
+        on = f" on {hosts} hosts" if isinstance(hosts, int) and hosts > 1 else ""
+        plural = "" if workers == 1 else "s"
+        words.append(f"{workers} {unit}{plural}{on} from step {stretch.get('from_step', '?')}")
+    return ", ".join(words)
 
 
 class FilterModule:

@@ -11,7 +11,8 @@ short_description: The history of DFlash runs, reconciled with the targets
 description:
   - C(run_rows) joins the ledger's launches (newest first) with each host's dflash.ct200.run_history
     result (events, metrics) into rows - run, run_id, host, state, started, duration, step, total,
-    last loss, best and last tau, tokens/s, exit reason. A launch's own events are those with its PID.
+    the worker count of each stretch of the run, last loss, best and last tau, tokens/s, exit
+    reason. A launch's own events are those with its PID.
   - C(run_table) formats those rows as fixed-width lines for one screen.
   - C(report_runs) picks the named runs with metrics from every host's run_history result.
 positional: hostvars, hosts
@@ -168,6 +169,8 @@ def run_rows(ledger, histories, alive_by_host=None, run=None, now=None) -> list[
                 "duration_s": (finish - started).total_seconds() if started and finish else None,
                 "step": metrics.get("last_step", last_event.get("step")),
                 "total_steps": metrics.get("total_steps"),
+                # The run record's stretches (each start on another worker count or topology).
+                "stretches": metrics.get("stretches") or [],
                 "last_loss": metrics.get("last_loss"),
                 "best_tau": metrics.get("best_tau"),
                 "last_tau": metrics.get("last_tau", last_event.get("tau")),
@@ -209,9 +212,20 @@ def fixed(value, digits: int) -> str:
     return f"{value:.{digits}f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
 
 
+def workers_cell(stretches) -> str:
+    """The worker count of each stretch of a run, oldest first: `2`, or `8>7` for a run that resumed
+    on 7 workers; `-` where the record has none."""
+    counts = [str(s.get("workers")) for s in stretches or [] if isinstance(s, dict)]
+    counts = [count for count in counts if count.isdigit()]
+    return ">".join(counts) or "-"
+
+
 def run_table(rows, limit: int = 20) -> list[str]:
     """The rows as a table for one screen (newest first, at most `limit`, then how many more)."""
-    header = ("RUN", "HOST", "STATE", "STARTED", "TIME", "STEP", "LOSS", "TAU best/last", "TOK/S", "EXIT")
+    header = (
+        "RUN", "HOST", "STATE", "STARTED", "TIME", "STEP", "WORKERS", "LOSS", "TAU best/last", "TOK/S",
+        "EXIT",
+    )  # fmt: skip
     table = [header]
     for row in (rows or [])[:limit]:
         step = "-" if row.get("step") is None else str(row["step"])
@@ -225,6 +239,7 @@ def run_table(rows, limit: int = 20) -> list[str]:
                 (row.get("started") or "-").replace("T", " ").rstrip("Z"),
                 duration(row.get("duration_s")),
                 step,
+                workers_cell(row.get("stretches")),
                 fixed(row.get("last_loss"), 3),
                 f"{fixed(row.get('best_tau'), 2)}/{fixed(row.get('last_tau'), 2)}",
                 fixed(row.get("tokens_per_s"), 0),

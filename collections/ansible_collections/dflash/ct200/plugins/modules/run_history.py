@@ -13,7 +13,8 @@ description:
     C(events.jsonl) (start, crash, restart, finish, stop, failed), C(metrics.jsonl) (train and eval
     rows) and C(config.yml) (the step count), and returns a summary per run - last step and total,
     last loss, best and last tau, tokens per second, the events - and, with O(points), the loss,
-    tau and tokens/s series (evenly thinned to at most that many points).
+    tau and tokens/s series (evenly thinned to at most that many points), and from C(run.json) the
+    run's stretches (from which step, how many workers, which topology, how many hosts).
   - Changes nothing; a missing or half-written file is read as far as it goes.
 options:
   outs:
@@ -60,7 +61,7 @@ alive:
 import os
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.dflash.ct200.plugins.module_utils.run_record import jsonl_rows
+from ansible_collections.dflash.ct200.plugins.module_utils.run_record import jsonl_rows, read_record
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import config_steps, probe
 
 MAX_EVENTS = 200
@@ -73,6 +74,13 @@ def thin(rows: list, points: int) -> list:
     picked = [rows[int(i * stride)] for i in range(points)]
     picked[-1] = rows[-1]
     return picked
+
+
+def stretches_of(out: str) -> list:
+    """The run record's stretches (the trainer writes them, docs/ARCHITECTURE.md); [] where the
+    record has none or they are not a list of objects."""
+    stretches = (read_record(out) or {}).get("stretches")
+    return [s for s in stretches if isinstance(s, dict)] if isinstance(stretches, list) else []
 
 
 def summarize(out: str, points: int) -> dict:
@@ -103,6 +111,7 @@ def summarize(out: str, points: int) -> dict:
         "best_tau": max(row["tau"] for row in eval_rows) if eval_rows else None,
         "last_tau": eval_rows[-1]["tau"] if eval_rows else None,
         "events": [event for event in events if "event" in event],
+        "stretches": stretches_of(out),
     }
     if points:
         result["series"] = {
