@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 def regenerate(cfg, run_dir: Path, chat_out: Path | None) -> int:
     import torch
 
-    from .data.chat import ChatFormat
+    from .data.chat import ChatFormat, DataError
     from .data.regen import export_chat_jsonl
     from .model.target import load_target, load_tokenizer
     from .parallel.process import ProcessSetupError, ProcessWorld, launched_by_torchrun
@@ -100,7 +100,10 @@ def regenerate(cfg, run_dir: Path, chat_out: Path | None) -> int:
             return 0
         if chat_out is not None and world.is_lead:
             examples = prepared.regeneration.examples()
-            count = export_chat_jsonl(prepared.index, examples, tokenizer, chat_out)
+            try:
+                count = export_chat_jsonl(prepared.index, examples, tokenizer, chat_out)
+            except DataError as exc:  # a damaged shard, or the data file changed: named, never a traceback
+                raise BadInput(str(exc)) from None
             out.line(f"data: wrote {count:,} regenerated conversations to {chat_out}")
         world.any(False)  # no rank leaves before the file is written
         ended(

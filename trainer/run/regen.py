@@ -25,6 +25,7 @@ from ..data.regen import (
     RegenSettings,
     ShardedExamples,
     TokenizedFile,
+    key_seed,
     raw_key,
     regen_key,
     run_workers,
@@ -96,8 +97,11 @@ def prepare_data(cfg: Config, source: DataSource, targets: list, world, out, sho
     done is kept). Bad data raises BadInput naming the file and line."""
     held_out = cfg.train.eval_prompts if held_out is None else held_out
     began = time.monotonic()
+    settings = settings_of(cfg, len(targets))
+    # The key is of exactly the bytes indexed (one pass), and every later read is checked against them.
+    seed = key_seed(settings if cfg.data.regenerate else None)
     try:
-        index = DataIndex.build(source.train_file)
+        index = DataIndex.build(source.train_file, seed)
     except DataError as exc:
         raise BadInput(str(exc)) from None
     except UnicodeDecodeError as exc:
@@ -115,15 +119,16 @@ def prepare_data(cfg: Config, source: DataSource, targets: list, world, out, sho
     prompts = eval_prompts(index, source.chat, held_out)
     train_end = len(index) - held_out
     if not cfg.data.regenerate:
-        key = raw_key(source.train_file, source.tokenizer_path)
+        key = raw_key(source.train_file, source.tokenizer_path, seed)
         out.line(f"data: {source.train_file} used as it is ({train_end} training conversations, key {key})")
         return PreparedData(TokenizedFile(index, source.chat, 0, train_end), prompts, key, None, index)
-    settings = settings_of(cfg, len(targets))
-    key = regen_key(source.train_file, source.target_path, source.tokenizer_path, settings)
+    key = regen_key(source.train_file, source.target_path, source.tokenizer_path, settings, seed)
     max_positions = getattr(targets[0].config, "max_position_embeddings", None)
     regeneration = Regeneration(
         index, settings, Path(cfg.data.cache_dir).expanduser(), key, source.chat, source.pad_id, max_positions
     )
+    for path, why in regeneration.damaged():
+        out.line(f"data: {path} cannot be used: {why}; it is regenerated")
     try:
         if not regenerate_missing(cfg, regeneration, targets, world, out, should_stop, out_dir):
             return None

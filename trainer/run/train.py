@@ -27,6 +27,7 @@ import torch
 from ..config import Config
 from ..data.chat import ChatFormat, DataError
 from ..data.embedded import ensure_embedded
+from ..data.regen import ShardDamaged
 from ..data.rows import Batch, Loader, build_train_set, valid_anchor_count
 from ..data.store import BuildStopped, open_or_build
 from ..model.drafter import target_layer_ids
@@ -50,6 +51,7 @@ __all__ = ["BadInput", "Diverged", "train"]  # the command line turns both into 
 class Diverged(BadInput):
     """The loss or the weights stopped being finite numbers: training on would only waste the
     machine (a restart from the same checkpoint diverges the same way), so the run ends `failed`."""
+
 
 Topology = ThreadedTopology | ProcessTopology
 World = ThreadedWorld | ProcessWorld
@@ -255,6 +257,8 @@ def load_data(cfg: Config, models: Models, place: Placement, out: Output, should
     except BuildStopped:
         out.line("data: stopped while building the token store (nothing of it kept)")
         return None
+    except ShardDamaged as exc:  # names the shard and the way out
+        raise BadInput(str(exc)) from None
     except DataError as exc:
         raise BadInput(f"{models.train_file}: {exc}") from None
     rows = "packed" if t.packing else "padded, one conversation each"
