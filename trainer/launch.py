@@ -39,6 +39,7 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -46,6 +47,8 @@ from .cli import fail
 from .cli import parse_args as parse_trainer_args
 from .run import runrecord
 from .run.events import RUN_ID_ENV
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -171,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.check:
         out = Path(args.out or f"runs/{args.run}").expanduser().absolute()
+        # From the moment the record names this PID a stop may come; blocked (the mask survives
+        # exec) it waits until the supervisor or torchrun has its handler, which then closes the
+        # record. Unblocked, it would kill the process before Python installs any handler.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             record = take_output(out, cfg, args, cmd)
             # The events and notices of the run carry the record's own run id (trainer/run/events.py).

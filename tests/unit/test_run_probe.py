@@ -262,3 +262,41 @@ def test_a_run_regenerating_its_data_is_reported_with_that_stage_s_progress(
         run_module, runs_dir=str(runs), recorded=started["record"], log=str(tmp_path / "train.log")
     )
     assert "stage" not in training.result and status_line(training.result).startswith("running: ")
+
+
+def close_record(out, **fields) -> None:
+    record = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**record, **fields}))
+
+
+def test_the_launch_s_wait_takes_the_exit_from_the_run_record_not_the_log_s_last_line(
+    tmp_path, run_module, trainer
+) -> None:
+    out = tmp_path / "runs" / "nographs"
+    started = trainer("--first-step-after", "30", out=out)
+    assert logged_within(tmp_path / "train.log", "stand-in trainer", 10)
+    kill_and_reap(started["pid"])
+    reason = "bad input: --resume: the checkpoint was trained with a different setup"
+    close_record(out, state="failed", exit_status=2, exit_reason=reason)
+    with (tmp_path / "train.log").open("a") as log:
+        log.write("notice: the failed notice was not delivered (ConnectionRefusedError: refused)\n")
+    result = probe(
+        run_module, recorded=started["record"], log=str(tmp_path / "train.log"), wait_for="^step ", timeout=20
+    )
+    assert result.failed and f"exit status: 2 ({reason})" in result.result["msg"]
+
+
+def test_status_reads_the_cached_run_s_own_output_without_the_launch_s_workspace(
+    tmp_path, run_module, trainer
+) -> None:
+    out = tmp_path / "elsewhere" / "runs" / "nographs"
+    started = trainer("--first-step-after", "30", out=out)
+    kill_and_reap(started["pid"])
+    close_record(out, state="crashed", exit_status=1, exit_reason="crashed: RuntimeError: boom")
+    (tmp_path / "default-workspace" / "runs").mkdir(parents=True)
+    result = probe(
+        run_module, runs_dir=str(tmp_path / "default-workspace" / "runs"), recorded=started["record"]
+    )
+    assert (result.result["state"], result.result["exit_status"]) == ("exited", 1), result.result
+    assert result.result["exit_reason"] == "crashed: RuntimeError: boom"
+    assert result.result["target"]["record"]["run_id"] == started["run_id"]

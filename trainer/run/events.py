@@ -223,6 +223,16 @@ class EventLog:
             record.update(state=state, exit_status=status, exit_reason=reason, ended_at=row["time"])
         elif event == "stop" and record.get("state") == "crashed":
             record.update(state="stopped", exit_reason=row["text"].split(": ", 1)[-1], ended_at=row["time"])
+        elif event in ("stop", "finish") and record.get("state") == "running":
+            # The trainer ended before it could close the record (a stop before its handlers were
+            # installed): the process that ends the run closes it.
+            status = row["exit_status"]
+            record.update(
+                state="stopped" if event == "stop" else "finished",
+                exit_status=0 if status is None or status <= 0 else status,
+                exit_reason=row["text"].split(": ", 1)[-1],
+                ended_at=row["time"],
+            )
         else:
             return
         try:

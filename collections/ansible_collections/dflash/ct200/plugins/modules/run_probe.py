@@ -291,6 +291,7 @@ from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     reconcile,
     run_steps,
     tail,
+    target_run,
     target_runs,
 )
 
@@ -355,7 +356,7 @@ def disk_report(path: str, min_free_mib: int, checkpoint_mib: float) -> dict:
 def target_report(module: AnsibleModule) -> dict:
     """Status from the target's records and locks; the cached record only where the target has none."""
     params = module.params
-    runs = target_runs(params["runs_dir"])
+    runs = with_cached_output(target_runs(params["runs_dir"]), params["recorded"])
     chosen = reconcile(params["recorded"], runs)
     run = chosen["run"]
     record = chosen["record"] or {}
@@ -404,6 +405,30 @@ def target_report(module: AnsibleModule) -> dict:
     return result
 
 
+def with_cached_output(runs: list[dict], recorded: dict | None) -> list[dict]:
+    """The target's runs under the runs directory, and the cached run's own output where it lies
+    elsewhere (launched with another workspace): status needs no repeated -e to read its record."""
+    out = recorded.get("out") if isinstance(recorded, dict) else None
+    if not isinstance(out, str) or not out or any(run["record"].get("out") == out for run in runs):
+        return runs
+    cached = target_run(out)
+    if cached is None:
+        return runs
+    return sorted([*runs, cached], key=lambda run: str(run["record"].get("started_at", "")), reverse=True)
+
+
+def recorded_exit(recorded: dict | None) -> dict | None:
+    """How the recorded run ended as its run record says (the one source every view reads:
+    docs/OPERATING.md), or None where the record does not say (killed, or no record)."""
+    out = recorded.get("out") if isinstance(recorded, dict) else None
+    run = target_run(out) if isinstance(out, str) and out else None
+    if run is None or run["record"].get("run_id") != recorded.get("run_id") or run["live"]:
+        return None
+    if run.get("exit_status") is None:
+        return None
+    return {"exit_status": run["exit_status"], "exit_reason": run["exit_reason"]}
+
+
 def report(module: AnsibleModule) -> dict:
     params = module.params
     if params["runs_dir"]:
@@ -415,7 +440,7 @@ def report(module: AnsibleModule) -> dict:
     result["last_progress"] = last_matching(params["log"], PROGRESS_RE)
     result["last_eval"] = last_tau(params["metrics"]) or last_tau_in_log(params["log"])
     if result["state"] == "exited":
-        result.update(exit_from_log(tail(params["log"], VERDICT_LINES)))
+        result.update(recorded_exit(params["recorded"]) or exit_from_log(tail(params["log"], VERDICT_LINES)))
     return result
 
 
