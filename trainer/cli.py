@@ -95,16 +95,24 @@ def main(argv: list[str] | None = None) -> int:
         if exc.errno != errno.ENOSPC:
             traceback.print_exc()
             return ended(out_dir, 1, f"crashed: {exc}")
-        from .run.runrecord import checkpoints
-
-        intact = checkpoints(out_dir)
-        last = f"{intact[-1][1]} (step {intact[-1][0]})" if intact else "none"
-        where = exc.filename or out_dir
-        message = f"disk full writing {where}: {exc.strerror}; the last intact checkpoint is {last}"
-        return ended(out_dir, error_line(message), message)
+        return ended(out_dir, error_line(disk_full(out_dir, exc)), disk_full(out_dir, exc))
     except Exception as exc:
         traceback.print_exc()
         return ended(out_dir, 1, f"crashed: {type(exc).__name__}: {exc}")
+
+
+def disk_full(out_dir: Path, exc: OSError) -> str:
+    """The full disk's line: what was being written, and what is kept."""
+    from .data.chat import DiskFull
+    from .run.runrecord import checkpoints
+
+    if isinstance(exc, DiskFull):  # the data stage's, saying what of the data is kept
+        return str(exc)
+    intact = checkpoints(out_dir)
+    last = f"{intact[-1][1]} (step {intact[-1][0]})" if intact else "none"
+    return (
+        f"disk full writing {exc.filename or out_dir}: {exc.strerror}; the last intact checkpoint is {last}"
+    )
 
 
 def error_line(message: str) -> int:

@@ -46,10 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     from .run.resume import BadInput
 
     run_dir = Path(args.dir or f"runs/{args.run}").expanduser().absolute()
+    from .data.chat import DiskFull
+
     try:
         return regenerate(cfg, run_dir, Path(args.out).expanduser() if args.out else None)
     except BadInput as exc:
         return fail([str(exc)])
+    except DiskFull as exc:  # a crash, as a full disk while training (exit status 1), in one line
+        fail([str(exc)])
+        return 1
 
 
 def regenerate(cfg, run_dir: Path, chat_out: Path | None) -> int:

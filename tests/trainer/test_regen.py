@@ -16,7 +16,15 @@ import tracemalloc
 import pytest
 import torch
 
-from trainer.data.chat import MAX_LINE_BYTES, ChatFormat, DataError, Example, iter_conversations, prompt_ids
+from trainer.data.chat import (
+    MAX_LINE_BYTES,
+    ChatFormat,
+    DataError,
+    DiskFull,
+    Example,
+    iter_conversations,
+    prompt_ids,
+)
 from trainer.data.regen import (
     DataIndex,
     Progress,
@@ -404,8 +412,8 @@ def test_a_full_disk_loses_no_finished_shard_and_leaves_no_partial_one(tmp_path,
         return real_replace(source, destination)
 
     monkeypatch.setattr(pathlib.os, "replace", disk_full_on_the_second_shard)
-    with pytest.raises(
-        DataError, match=r"disk full writing .*shard-000000004-000000008.jsonl.* 4 of 10 conv"
+    with pytest.raises(  # a crash (exit status 1), as a full disk while training: not bad input
+        DiskFull, match=r"disk full writing .*shard-000000004-000000008.jsonl.* 4 of 10 conv"
     ):
         generate_all(regen, [tiny[0]])
     monkeypatch.setattr(pathlib.os, "replace", real_replace)
@@ -495,3 +503,29 @@ def test_batched_tokenizing_equals_tokenizing_message_by_message(tmp_path, embed
     batched = list(tokenize_stream(iter(conversations), chat, chunk=7))
     assert [e.turns for e in batched] == [tokenized(m, chat).turns for m in conversations]
     assert list(tokenize_stream(iter([]), chat)) == []
+
+
+def test_a_full_disk_in_the_data_stage_ends_the_run_crashed_exit_1_in_one_line(tmp_path, monkeypatch, capsys):
+    """The same end as a full disk while training (docs/OPERATING.md): crashed, exit status 1."""
+    import trainer.cli
+    import trainer.regen
+    import trainer.run.train
+    from trainer.run import runrecord
+
+    full = DiskFull(
+        "disk full writing /c/shard-000000004-000000008.jsonl: No space left on device; 4 of 10 kept"
+    )
+
+    def fills_the_disk(*_args, **_kwargs):
+        raise full
+
+    out = tmp_path / "out"
+    record = {"run": "eager", "run_id": "eager-1", "pid": os.getpid(), "state": "running"}
+    runrecord.write_record(out, record)
+    monkeypatch.setattr(trainer.run.train, "train", fills_the_disk)
+    assert trainer.cli.main(["--run", "eager", "--out", str(out), "--set", "parallel.devices=cpu"]) == 1
+    ended = runrecord.read_record(out)
+    assert (ended["state"], ended["exit_status"], ended["exit_reason"]) == ("crashed", 1, str(full))
+    monkeypatch.setattr(trainer.regen, "regenerate", fills_the_disk)
+    assert trainer.regen.main(["--run", "eager", "--dir", str(out), "--set", "parallel.devices=cpu"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: {full}"

@@ -254,8 +254,19 @@ def test_a_run_regenerating_its_data_is_reported_with_that_stage_s_progress(
     assert report["last_progress"] == (
         "regen: 12,288/800,000 conversations, 9,437,184 tokens, 5,321 tok/s, eta 1 day, 17:21:02"
     )
-    assert status_line({**report, "run": "nographs"}).startswith(
-        f"regenerating: nographs as PID {started['pid']} "
+    assert status_line({**report, "run": "nographs"}) == (
+        f"regenerating: nographs as PID {started['pid']} (the target regenerates its data; training follows)"
+    )
+    data_only = {
+        **record,
+        "cmdline": [*record.get("cmdline", ["python", "-m", "trainer"]), "--data-only"],
+        "stage": "regenerating",
+        "regen": regen,
+    }
+    record_file.write_text(json.dumps(data_only))  # ./dev.sh regen
+    result = probe(run_module, runs_dir=str(runs), recorded=started["record"])
+    assert status_line({**result.result, "run": "nographs"}).endswith(
+        "(the target regenerates its data; no training follows)"
     )
     record_file.write_text(json.dumps({**record, "stage": "training", "regen": regen}))
     training = probe(

@@ -4,6 +4,7 @@ store (store.py) and the rows and loader (rows.py) are built from these."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator
@@ -15,6 +16,19 @@ import torch
 
 class DataError(Exception):
     pass
+
+
+class DiskFull(OSError):
+    """The disk filled while data derived from the data file was written (regenerated shards, the
+    token store): a crash like a full disk while training (exit status 1, docs/OPERATING.md), not
+    bad input; the message says what is kept and the way out."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 MAX_LINE_BYTES = 8 << 20

@@ -42,6 +42,7 @@ from .chat import (
     MAX_LINE_BYTES,
     ChatFormat,
     DataError,
+    DiskFull,
     Example,
     iter_lines,
     parse_line,
@@ -643,7 +644,7 @@ class Regeneration:
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 done = self.conversations_done()
-                raise DataError(
+                raise DiskFull(
                     f"disk full writing {path}: {exc.strerror}; {done} of {len(self.index)} conversations "
                     f"are regenerated and kept in {self.directory}. Free space and run again to continue"
                 ) from None

@@ -17,6 +17,7 @@ or whose files do not match its checksum is rebuilt, never half read.
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import hashlib
 import json
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .chat import ChatFormat, DataError, Example
+from .chat import ChatFormat, DataError, DiskFull, Example
 
 STORE_FORMAT = 1
 ARRAYS = {"tokens": np.int32, "mask": np.uint8, "offsets": np.int64}
@@ -247,6 +248,11 @@ def open_or_build(
     try:
         return _open_or_build(root, source_key, chat, examples, BuildWatch(log, total, should_stop))
     except OSError as exc:  # unwritable, full disk, ...: nothing half-built is left behind
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(
+                f"disk full writing the token store under {root} ({exc.strerror or exc}); free space "
+                "there or set data.cache_dir to a directory with room for the tokenized data"
+            ) from None
         raise DataError(
             f"cannot build the token store under {root} ({exc.strerror or exc}); free space there or "
             "set data.cache_dir to a writable directory with room for the tokenized data"

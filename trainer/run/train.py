@@ -151,11 +151,13 @@ def run_training(cfg: Config, out_dir: Path, resume: bool, place: Placement) -> 
             out.line(f"--resume: no checkpoint in {out_dir / 'checkpoints'}; starting from step 0")
         models = load_models(cfg, place, out)
         topology = start_topology(cfg, models.replicas, world, out)
+        # A stop before training: the run stays at its checkpoint's step (0 on a fresh start).
+        begun = int(resume_from.state.get("step", 0)) if resume_from is not None else 0
         if not topology.wait_ready(stop):
-            return checkpoint_and_stop(out, stop, world, out_dir, 0)
+            return checkpoint_and_stop(out, stop, world, out_dir, begun)
         prepared = load_data(cfg, models, place, out, stop)
         if world.any(prepared is None):
-            return checkpoint_and_stop(out, stop, world, out_dir, 0)
+            return checkpoint_and_stop(out, stop, world, out_dir, begun)
         run = Run(cfg, out_dir, out, stop, world, topology, models, *prepared)
         step = run.restore(resume_from)
         resume_from = None  # the state's tensors are in the model now: drop the copy
@@ -499,10 +501,10 @@ def checkpoint_and_stop(
     else:
         out.line("nothing to checkpoint yet (training had not started)")
     out.line(f"stopped at step {step}")
+    reason = f"stopped at step {step}" + ("" if save is not None else ", before training began")
     if world.local_rank == 0:
         runrecord.note(
-            out_dir, state="stopped", exit_status=0, exit_reason=f"stopped at step {step}",
-            ended_at=runrecord.utc_now(),
+            out_dir, state="stopped", exit_status=0, exit_reason=reason, ended_at=runrecord.utc_now(),
         )  # fmt: skip
     sys.stdout.flush()
     return 0

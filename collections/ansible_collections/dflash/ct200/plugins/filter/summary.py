@@ -80,7 +80,8 @@ def status_line(report: dict) -> str:
     exit_status, exit_reason)."""
     state, run, pid = report.get("state"), report.get("run"), report.get("pid")
     if state == "running" and report.get("stage") == "regenerating":
-        return f"regenerating: {run} as PID {pid} (the target regenerates its data; training follows)"
+        follows = "no training follows" if report.get("data_only") else "training follows"
+        return f"regenerating: {run} as PID {pid} (the target regenerates its data; {follows})"
     if state == "running":
         return f"running: {run} as PID {pid}"
     if state == "exited":

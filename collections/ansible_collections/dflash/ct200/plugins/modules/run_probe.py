@@ -149,6 +149,10 @@ stage:
   description: C(regenerating) while a live run's target regenerates its data before training (docs/DATA.md).
   type: str
   returned: when the run record says so
+data_only:
+  description: Whether the regenerating run only prepares its data (C(--data-only), C(./dev.sh regen)).
+  type: bool
+  returned: with RV(stage)
 last_eval:
   description: The latest eval row of metrics.jsonl, else of the log (step, tau, prompts).
   type: dict
@@ -389,6 +393,8 @@ def target_report(module: AnsibleModule) -> dict:
     if result["state"] == "running" and target_record.get("stage") == "regenerating":
         # The data stage (docs/DATA.md) notes its progress in the run record as it goes.
         result["stage"] = "regenerating"
+        # ./dev.sh regen (trainer --data-only): no training follows.
+        result["data_only"] = "--data-only" in (target_record.get("cmdline") or [])
         result["last_progress"] = regen_progress_line(target_record.get("regen")) or result["last_progress"]
     result["last_eval"] = (last_metrics(out)["eval"] if out else None) or last_tau_in_log(log)
     newest = newest_checkpoint(out)
