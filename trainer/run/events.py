@@ -161,6 +161,7 @@ class EventLog:
         restarts: int = 0,
     ) -> dict:
         step, tau = progress(self.out_dir)
+        step = self.checkpointed_step(step)
         row = {
             "time": utc_now(),
             "event": event,
@@ -190,6 +191,17 @@ class EventLog:
         self.note_in_run_record(row)
         self.notify(row)
         return row
+
+    def checkpointed_step(self, step: int | None) -> int | None:
+        """The step the run is at: the metrics' last row, or the record's last checkpoint (or end)
+        where that is further (a stop checkpoints the step it was at, often after the last row)."""
+        from . import runrecord
+
+        record = runrecord.read_record(self.out_dir) or {}
+        last = record.get("last_step")
+        if record.get("run_id") != self.run_id or not isinstance(last, int) or isinstance(last, bool):
+            return step
+        return last if step is None or last > step else step
 
     def note_in_run_record(self, row: dict) -> None:
         """Keep the run record (<out>/run.json, trainer/run/runrecord.py) in step: each restart appended

@@ -504,7 +504,8 @@ def checkpoint_and_stop(
     reason = f"stopped at step {step}" + ("" if save is not None else ", before training began")
     if world.local_rank == 0:
         runrecord.note(
-            out_dir, state="stopped", exit_status=0, exit_reason=reason, ended_at=runrecord.utc_now(),
+            out_dir, state="stopped", exit_status=0, exit_reason=reason, last_step=step,
+            ended_at=runrecord.utc_now(),
         )  # fmt: skip
     sys.stdout.flush()
     return 0
