@@ -311,3 +311,17 @@ def test_status_reads_the_cached_run_s_own_output_without_the_launch_s_workspace
     assert (result.result["state"], result.result["exit_status"]) == ("exited", 1), result.result
     assert result.result["exit_reason"] == "crashed: RuntimeError: boom"
     assert result.result["target"]["record"]["run_id"] == started["run_id"]
+
+
+def test_the_disk_refusal_offers_only_a_way_out_that_works() -> None:
+    by_checkpoints = run_probe.disk_refusal("/ws", 2000, 1024, 5000.0)
+    assert "three checkpoints of 5000.0 MiB" in by_checkpoints and "15000 MiB are needed" in by_checkpoints
+    assert (
+        "lowering it does not help" in by_checkpoints and "lower preflight_min_free_mib" not in by_checkpoints
+    )
+    new_output = run_probe.disk_refusal("/ws", 500, 1024, 0.0)
+    assert new_output == (
+        "/ws has 500 MiB free, 1024 MiB are needed (preflight_min_free_mib). Free space there, or lower "
+        "preflight_min_free_mib in the inventory"
+    )
+    assert "0.0 MiB" not in new_output

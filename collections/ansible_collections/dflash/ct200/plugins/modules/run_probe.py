@@ -248,7 +248,9 @@ output:
       description: Whether the newest checkpoint is at or after RV(output.steps).
       type: bool
 disk:
-  description: With O(disk_path), path, free_mib, required_mib, ok.
+  description:
+    - With O(disk_path), path, free_mib, required_mib, ok, and refusal (why the space would be short and
+      the way out that works, in words).
   type: dict
   returned: when O(disk_path) is given
 last_checkpoint:
@@ -354,7 +356,27 @@ def disk_report(path: str, min_free_mib: int, checkpoint_mib: float) -> dict:
         "free_mib": round(free),
         "required_mib": round(required),
         "ok": free >= required,
+        "refusal": disk_refusal(existing, free, min_free_mib, checkpoint_mib),
     }
+
+
+def disk_refusal(path: str, free: float, min_free_mib: int, checkpoint_mib: float) -> str:
+    """Why the space is short and the way out that works: preflight_min_free_mib is only the floor
+    where three checkpoints need less; where they need more, lowering it changes nothing."""
+    checkpoints = 3 * checkpoint_mib
+    have = f"{path} has {free:.0f} MiB free"
+    if checkpoints > min_free_mib:
+        return (
+            f"{have}, {checkpoints:.0f} MiB are needed: room for three checkpoints of "
+            f"{checkpoint_mib:.1f} MiB (the output's newest); preflight_min_free_mib="
+            f"{min_free_mib} is below that, so lowering it does not help. Free space there (a resume "
+            "needs only the newest checkpoint), or give the run an output on a larger disk"
+        )
+    sized = f"; a checkpoint of this run takes {checkpoint_mib:.1f} MiB" if checkpoint_mib else ""
+    return (
+        f"{have}, {min_free_mib} MiB are needed (preflight_min_free_mib{sized}). Free space there, "
+        "or lower preflight_min_free_mib in the inventory"
+    )
 
 
 def target_report(module: AnsibleModule) -> dict:
