@@ -325,3 +325,20 @@ def test_the_disk_refusal_offers_only_a_way_out_that_works() -> None:
         "preflight_min_free_mib in the inventory"
     )
     assert "0.0 MiB" not in new_output
+
+
+def test_wait_for_succeeds_when_the_trainer_logged_the_line_and_ended_well(
+    tmp_path, run_module, trainer
+) -> None:
+    """A data-only regeneration whose cache already holds the data may end before a poll sees it run."""
+    started = trainer("--behave", "finish")
+    assert gone_within(started["pid"], 10)
+    result = probe(
+        run_module,
+        **identity(started),
+        log=str(tmp_path / "train.log"),
+        wait_for=r"^step \d+/\d+ ",
+        timeout=20,
+    )
+    assert not result.failed, result.result["msg"]
+    assert result.result["matched"].startswith("step ") and result.result["exit_status"] == 0
