@@ -36,6 +36,12 @@ def test_regen_is_recorded_like_a_launch_and_status_shows_the_stage(state_dir: P
         assert row["state"] == "finished"
         assert "regenerated 600 conversations" in row["exit_reason"], row
         assert row["step"] is None  # nothing was trained
+        # An output that holds checkpoints: preparing the data leaves them alone, nothing to refuse.
+        checkpoint = Path(record["out"]) / "checkpoints" / "step_00000004.pt"
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint.write_bytes(b"a checkpoint")
+        again = ctl.regen("eager")
+        assert again["run_id"] != record["run_id"] and checkpoint.read_bytes() == b"a checkpoint"
     finally:
         stop_leftovers(ctl, state_dir)
 
