@@ -186,6 +186,20 @@ def test_two_workers_share_the_shards_and_merge_in_the_input_order(
     assert len(list(regen.directory.glob("shard-*.jsonl"))) == 3  # 10 conversations, 4 a shard
 
 
+def test_the_first_finished_shard_is_reported_at_once_not_after_the_reporting_interval(
+    tmp_path, tiny, data_and_reference
+):
+    data, _ = data_and_reference
+    regen = regeneration(tmp_path, data, tiny)
+    regen.prepare()
+    progress = Progress(len(regen.index))
+    reports: list[int] = []
+    assert run_workers(
+        regen, [tiny[0]], progress, lambda: False, lambda: reports.append(progress.done), 600.0
+    )
+    assert reports and reports[0] >= 4  # long before 600 s: once the first shard of 4 was done
+
+
 def test_a_stop_keeps_finished_shards_and_the_next_start_continues(tmp_path, tiny, data_and_reference):
     data, reference = data_and_reference
     regen = regeneration(tmp_path, data, tiny)

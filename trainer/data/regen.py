@@ -719,10 +719,12 @@ def run_workers(regeneration: Regeneration, targets: list, progress: Progress, s
     for thread in threads:
         thread.start()
     next_report = time.monotonic() + report_every_s
+    first = True  # the first shard finished is reported at once: a short regeneration shows progress too
     while any(thread.is_alive() for thread in threads):  # ends when the workers do
         threads[0].join(timeout=0.1)
-        if time.monotonic() >= next_report:
+        if time.monotonic() >= next_report or (first and progress.done > 0):
             report()
+            first = progress.done == 0
             next_report = time.monotonic() + report_every_s
     if errors:
         raise errors[0]
