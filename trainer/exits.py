@@ -66,8 +66,12 @@ def guarded(out_dir: Path, body: Callable[[], int]) -> int:
 
 
 def disk_full(out_dir: Path, exc: OSError) -> int:
+    """The full disk's line (what was being written, and what is kept), recorded; exit 1."""
+    from .data.chat import DiskFull
     from .run.runrecord import checkpoints
 
+    if isinstance(exc, DiskFull):  # the data stage's, saying what of the data is kept
+        return ended(out_dir, error_line(str(exc)), str(exc))
     intact = checkpoints(out_dir)
     last = f"{intact[-1][1]} (step {intact[-1][0]})" if intact else "none"
     where = exc.filename or out_dir

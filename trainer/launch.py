@@ -39,6 +39,7 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -47,15 +48,20 @@ from .cli import parse_args as parse_trainer_args
 from .run import runrecord
 from .run.events import RUN_ID_ENV
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+USAGE = (
+    "python -m trainer.launch [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT --rdzv-id ID] "
+    "[--nproc-per-node N] [--max-restarts N] [--restart-backoff-s S] [--dry-run] -- --run NAME "
+    "[trainer options]"
+)
+
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    if "--" not in argv:
-        raise SystemExit(
-            "usage: python -m trainer.launch [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT "
-            "--rdzv-id ID] [--nproc-per-node N] [--dry-run] -- --run NAME [trainer options]"
-        )
-    split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.launch", usage=USAGE, description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--nnodes", type=int, default=1, help="hosts in the run (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, help="this host's rank, 0..nnodes-1")
     parser.add_argument(
@@ -68,6 +74,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--restart-backoff-s", type=float, default=10.0, help="wait before a restart")
     parser.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
+    if "--" not in argv:
+        if "-h" in argv or "--help" in argv:
+            parser.parse_args(["--help"])  # prints the help, exits 0
+        raise SystemExit(f"usage: {USAGE}")
+    split = argv.index("--")
     return parser.parse_args(argv[:split]), argv[split + 1 :]
 
 
@@ -171,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.check:
         out = Path(args.out or f"runs/{args.run}").expanduser().absolute()
+        # From the moment the record names this PID a stop may come; blocked (the mask survives
+        # exec) it waits until the supervisor or torchrun has its handler, which then closes the
+        # record. Unblocked, it would kill the process before Python installs any handler.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             record = take_output(out, cfg, args, cmd)
             # The events and notices of the run carry the record's own run id (trainer/run/events.py).

@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--out {args.out} is a directory; give a file name for the chat JSONL")
     if problems:
         return fail(problems[:1])
+    from .data.chat import DiskFull
     from .data.regen_worker import RegenWorkerFailed
     from .run.resume import BadInput
 
@@ -53,10 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         return fail([str(exc)])
     except RegenWorkerFailed as exc:
         return error_line(str(exc))
+    except DiskFull as exc:  # a crash, as a full disk while training (exit status 1), in one line
+        fail([str(exc)])
+        return 1
 
 
 def regenerate(cfg, run_dir: Path, chat_out: Path | None) -> int:
+    from .data.chat import DataError
     from .data.regen import export_chat_jsonl
+    from .run.resume import BadInput
     from .run.train import StopFlag
 
     world, devices = world_and_devices(cfg)
@@ -71,7 +77,10 @@ def regenerate(cfg, run_dir: Path, chat_out: Path | None) -> int:
             return 0
         if chat_out is not None and world.is_lead:
             examples = prepared.regeneration.examples()
-            count = export_chat_jsonl(prepared.index, examples, tokenizer, chat_out)
+            try:
+                count = export_chat_jsonl(prepared.index, examples, tokenizer, chat_out)
+            except DataError as exc:  # a damaged shard, or the data file changed: named, never a traceback
+                raise BadInput(str(exc)) from None
             out.line(f"data: wrote {count:,} regenerated conversations to {chat_out}")
         world.any(False)  # no rank leaves before the file is written
         reason = f"data ready: {len(prepared.index):,} conversations (key {prepared.key})"

@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for sig in STOP_SIGNALS:
         signal.signal(sig, supervisor.on_signal)
+    # trainer.launch blocked them before exec: a stop that came meanwhile is delivered now, to the
+    # handler (the trainer, started after this, inherits them unblocked).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     return supervisor.run()
 
 

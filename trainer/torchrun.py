@@ -188,6 +188,8 @@ def main() -> None:
     events = run_events(argv)
     first: list[int] = []  # the first stop signal, once one came
     watch_signals(OWN_SIGNALS, signal_forwarder(events, first, grace))
+    # trainer.launch blocked them before exec (a stop in the first instant waits for the handler).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, OWN_SIGNALS)
     # torchrun handles the other signals as usual; these two are ours (read by torchrun at start).
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
     from torch.distributed.run import get_args_parser

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import make_controller, stop_leftovers
 
+from dflashctl import PlaybookFailed
+
 pytestmark = pytest.mark.slow
 
 
@@ -34,5 +36,31 @@ def test_regen_is_recorded_like_a_launch_and_status_shows_the_stage(state_dir: P
         assert row["state"] == "finished"
         assert "regenerated 600 conversations" in row["exit_reason"], row
         assert row["step"] is None  # nothing was trained
+        # An output that holds checkpoints: preparing the data leaves them alone, nothing to refuse.
+        checkpoint = Path(record["out"]) / "checkpoints" / "step_00000004.pt"
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint.write_bytes(b"a checkpoint")
+        again = ctl.regen("eager")
+        assert again["run_id"] != record["run_id"] and checkpoint.read_bytes() == b"a checkpoint"
+    finally:
+        stop_leftovers(ctl, state_dir)
+
+
+def test_a_regen_that_cannot_start_fails_with_the_trainer_s_own_error(state_dir: Path) -> None:
+    """Bad input the target refuses (a data file without its target model): ./dev.sh regen fails
+    naming it, as a launch does, instead of returning 0 and leaving the failure for status to tell."""
+    data = state_dir.parent / "chat.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+    )
+    ctl = make_controller(state_dir, dflash_machine={"data": {"train_file": str(data)}})
+    try:
+        with pytest.raises(PlaybookFailed) as failure:
+            ctl.regen("eager")
+        message = str(failure.value)
+        assert "exit status: 2 (bad input: data.train_file is set but model.target_path is not" in message, (
+            message
+        )
     finally:
         stop_leftovers(ctl, state_dir)

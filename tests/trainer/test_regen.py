@@ -8,23 +8,35 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import pathlib
 import threading
+import tracemalloc
 
 import pytest
 import torch
 
-from trainer.data.chat import ChatFormat, DataError, Example, iter_conversations, prompt_ids
+from trainer.data.chat import (
+    MAX_LINE_BYTES,
+    ChatFormat,
+    DataError,
+    DiskFull,
+    Example,
+    iter_conversations,
+    prompt_ids,
+)
 from trainer.data.regen import (
     DataIndex,
     Progress,
     Regeneration,
     RegenSettings,
+    ShardDamaged,
     export_chat_jsonl,
     file_digest,
     raw_key,
     regen_key,
     run_workers,
+    shard_seal,
 )
 from trainer.model.target import load_target, load_tokenizer
 
@@ -174,10 +186,25 @@ def test_two_workers_share_the_shards_and_merge_in_the_input_order(
     assert len(list(regen.directory.glob("shard-*.jsonl"))) == 3  # 10 conversations, 4 a shard
 
 
+def test_the_first_finished_shard_is_reported_at_once_not_after_the_reporting_interval(
+    tmp_path, tiny, data_and_reference
+):
+    data, _ = data_and_reference
+    regen = regeneration(tmp_path, data, tiny)
+    regen.prepare()
+    progress = Progress(len(regen.index))
+    reports: list[int] = []
+    assert run_workers(
+        regen, [tiny[0]], progress, lambda: False, lambda: reports.append(progress.done), 600.0
+    )
+    assert reports and reports[0] >= 4  # long before 600 s: once the first shard of 4 was done
+
+
 def test_a_stop_keeps_finished_shards_and_the_next_start_continues(tmp_path, tiny, data_and_reference):
     data, reference = data_and_reference
     regen = regeneration(tmp_path, data, tiny)
     regen.prepare()
+
     def stop_once_a_shard_is_written() -> bool:
         return len(regen.missing()) < 3
 
@@ -259,19 +286,129 @@ def test_a_later_turn_that_may_not_fit_is_refused_before_generating(tmp_path, ti
         regen.check_contexts_before_generating(regen.missing())
 
 
-def test_a_data_file_changed_during_the_regeneration_is_refused(tmp_path, embedded, tiny):
+def test_a_data_file_changed_in_place_during_the_regeneration_is_refused_before_its_shard_is_stored(
+    tmp_path, embedded, tiny
+):
     data = write_data(tmp_path / "chat.jsonl", embedded, 8)
+    before = data.stat()
     regen = regeneration(tmp_path, data, tiny)
     regen.prepare()
+    lines = data.read_bytes().split(b"\n")
+    at = lines[5].index(b'"content": "') + len(b'"content": "')
+    edited = (
+        lines[5][:at] + (b"Y" if lines[5][at : at + 1] == b"X" else b"X") + lines[5][at + 1 :]
+    )  # same size
+    assert len(edited) == len(lines[5]) and edited != lines[5]
 
-    def change_the_file() -> bool:
-        with data.open("a") as handle:
-            handle.write(json.dumps(MULTI_TURN) + "\n")
+    def edit_line_6_keeping_size_and_mtime() -> bool:  # conversation 5: the second shard
+        data.write_bytes(b"\n".join([*lines[:5], edited, *lines[6:]]))
+        os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))
         return False
 
-    with pytest.raises(DataError, match=f"{data} changed during the regeneration"):
-        generate_all(regen, [tiny[0]], change_the_file)
-    assert regen.missing() == [0, 1]
+    with pytest.raises(DataError, match=f"{data}:6 changed while the run was reading the file"):
+        generate_all(regen, [tiny[0]], edit_line_6_keeping_size_and_mtime)
+    assert regen.missing() == [1]  # nothing generated from the new contents is stored under the key
+
+
+def test_a_rewrite_that_changes_nothing_or_an_appended_line_does_not_stop_a_regeneration(
+    tmp_path, embedded, tiny, data_and_reference
+):
+    data, reference = data_and_reference
+    copy = tmp_path / "chat.jsonl"
+    copy.write_bytes(data.read_bytes())
+    regen = regeneration(tmp_path, copy, tiny)
+    regen.prepare()
+
+    def rewrite_the_same_bytes_then_append() -> bool:
+        copy.write_bytes(copy.read_bytes() + json.dumps(MULTI_TURN).encode() + b"\n")
+        return False
+
+    assert generate_all(regen, [tiny[0]], rewrite_the_same_bytes_then_append)
+    assert regenerated(regen) == reference  # what was indexed, under the key of what was indexed
+
+
+def seal_a_shard(regen: Regeneration, damage) -> pathlib.Path:
+    shard = regen.shard_path(*regen.ranges[1])
+    damage(shard)
+    return shard
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (
+            lambda shard: shard.write_bytes(b"\n".join(shard.read_bytes().split(b"\n")[:2]) + b"\n"),
+            "cut short",
+        ),
+        (lambda shard: shard.write_bytes(b""), "cut short or emptied"),
+        (lambda shard: shard.with_suffix(".sha256").unlink(), "no checksum"),
+    ],
+    ids=["cut-at-a-line", "emptied", "no-checksum"],
+)
+def test_a_short_or_unsealed_shard_is_named_and_regenerated_never_read_short(
+    tmp_path, tiny, data_and_reference, damage, said
+):
+    data, reference = data_and_reference
+    regen = regeneration(tmp_path, data, tiny)
+    regen.prepare()
+    assert generate_all(regen, [tiny[0]])
+    shard = seal_a_shard(regen, damage)
+    assert regen.missing() == [1]
+    assert [(path, said in why) for path, why in regen.damaged()] == [(shard, True)]
+    assert generate_all(regen, [tiny[0]])
+    assert regen.damaged() == [] and regenerated(regen) == reference
+
+
+def test_garbage_inside_a_shard_is_named_never_a_traceback_and_the_next_start_regenerates_it(
+    tmp_path, tiny, data_and_reference
+):
+    data, reference = data_and_reference
+    regen = regeneration(tmp_path, data, tiny)
+    regen.prepare()
+    assert generate_all(regen, [tiny[0]])
+
+    def garbage_in_the_middle(shard: pathlib.Path) -> None:
+        body = bytearray(shard.read_bytes())
+        body[len(body) // 2 : len(body) // 2 + 5] = b"\x00#!@%"
+        shard.write_bytes(bytes(body))
+
+    shard = seal_a_shard(regen, garbage_in_the_middle)
+    assert regen.damaged() == []  # the same size: only a read of the whole contents can tell
+    damaged = rf"{shard} is damaged: its contents do not match the checksum .* run again"
+    with pytest.raises(ShardDamaged, match=damaged):
+        export_chat_jsonl(regen.index, regen.examples(), tiny[1], tmp_path / "out.jsonl")
+    assert regen.missing() == [1]  # its checksum went with it: the next start regenerates it
+    shard.with_suffix(".sha256").write_text(json.dumps(shard_seal(b"x" * shard.stat().st_size, 4)))
+    with pytest.raises(ShardDamaged, match=damaged):  # the store's build reads it the same way
+        regenerated(regen)
+    assert generate_all(regen, [tiny[0]])
+    assert regenerated(regen) == reference
+
+
+def test_a_line_longer_than_the_bound_is_refused_with_its_line_in_bounded_memory(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    huge = {
+        "messages": [
+            {"role": "user", "content": "x" * (MAX_LINE_BYTES + 10)},
+            {"role": "assistant", "content": "y"},
+        ]
+    }
+    data.write_text(json.dumps(MULTI_TURN) + "\n" + json.dumps(huge) + "\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match=f"{data}:2: the line is longer than 8 MiB"):
+            DataIndex.build(data)  # the regeneration's index, and data.regenerate: false's alike
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * MAX_LINE_BYTES, peak  # the line's bound, not the parsed line's gigabytes
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_bytes(json.dumps(MULTI_TURN).encode() + b"\n" + b'{"messages": "\xff\xfe"}\n')
+    with pytest.raises(DataError, match=rf"{data}:2: not UTF-8 text \(byte 0xff at column 15\)"):
+        DataIndex.build(data)
 
 
 def test_a_full_disk_loses_no_finished_shard_and_leaves_no_partial_one(tmp_path, tiny, data_and_reference,
@@ -284,13 +421,13 @@ def test_a_full_disk_loses_no_finished_shard_and_leaves_no_partial_one(tmp_path,
 
     def disk_full_on_the_second_shard(source, destination):
         writes.append(destination)
-        if len(writes) == 2:
+        if len([w for w in writes if str(w).endswith(".jsonl")]) == 2:
             raise OSError(errno.ENOSPC, "No space left on device", str(source))
         return real_replace(source, destination)
 
     monkeypatch.setattr(pathlib.os, "replace", disk_full_on_the_second_shard)
-    with pytest.raises(
-        DataError, match=r"disk full writing .*shard-000000004-000000008.jsonl.* 4 of 10 conv"
+    with pytest.raises(  # a crash (exit status 1), as a full disk while training: not bad input
+        DiskFull, match=r"disk full writing .*shard-000000004-000000008.jsonl.* 4 of 10 conv"
     ):
         generate_all(regen, [tiny[0]])
     monkeypatch.setattr(pathlib.os, "replace", real_replace)
@@ -438,3 +575,27 @@ def test_answers_of_carried_up_batches_equal_plain_greedy_generate(tiny):
             eos_token_id=chat.end_id, pad_token_id=chat.end_id,
         )[0, ids.shape[1] :].tolist()  # fmt: skip
         assert answer == (output[: output.index(chat.end_id)] if chat.end_id in output else output)
+def test_a_full_disk_in_the_data_stage_ends_the_run_crashed_exit_1_in_one_line(tmp_path, monkeypatch, capsys):
+    """The same end as a full disk while training (docs/OPERATING.md): crashed, exit status 1."""
+    import trainer.cli
+    import trainer.regen
+    import trainer.run.train
+    from trainer.run import runrecord
+
+    full = DiskFull(
+        "disk full writing /c/shard-000000004-000000008.jsonl: No space left on device; 4 of 10 kept"
+    )
+
+    def fills_the_disk(*_args, **_kwargs):
+        raise full
+
+    out = tmp_path / "out"
+    record = {"run": "eager", "run_id": "eager-1", "pid": os.getpid(), "state": "running"}
+    runrecord.write_record(out, record)
+    monkeypatch.setattr(trainer.run.train, "train", fills_the_disk)
+    assert trainer.cli.main(["--run", "eager", "--out", str(out), "--set", "parallel.devices=cpu"]) == 1
+    ended = runrecord.read_record(out)
+    assert (ended["state"], ended["exit_status"], ended["exit_reason"]) == ("crashed", 1, str(full))
+    monkeypatch.setattr(trainer.regen, "regenerate", fills_the_disk)
+    assert trainer.regen.main(["--run", "eager", "--dir", str(out), "--set", "parallel.devices=cpu"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: {full}"

@@ -232,3 +232,16 @@ def test_the_record_says_how_a_run_ended_on_a_full_disk(tiny_disk: Path) -> None
     record = runrecord.read_record(out)
     assert record["state"] == "crashed" and record["exit_status"] == 1, "the record was not stuck at running"
     assert not (out / runrecord.RESERVE_NAME).exists(), "the reserve was spent on it"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_the_launch_s_help_exits_0_and_names_its_options(flag, capsys):
+    from trainer.launch import parse_args
+
+    with pytest.raises(SystemExit) as ended:
+        parse_args([flag])
+    assert ended.value.code == 0
+    assert "--max-restarts" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"^usage: python -m trainer\.launch "):
+        parse_args(["--dry-run"])  # without `--`: the usage, exit status 1

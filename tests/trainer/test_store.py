@@ -87,6 +87,11 @@ def damage_truncated_file(directory: Path) -> None:
     os.truncate(directory / "mask.bin", 7)
 
 
+def damage_edited_counts(directory: Path) -> None:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    (directory / "manifest.json").write_text(json.dumps({**manifest, "supervised_tokens": 0}))
+
+
 @pytest.mark.parametrize(
     ("damage", "reason"),
     [
@@ -94,6 +99,7 @@ def damage_truncated_file(directory: Path) -> None:
         (damage_older_format, "format"),
         (damage_interrupted_build, "no manifest"),
         (damage_truncated_file, "sizes"),
+        (damage_edited_counts, "manifest does not match its arrays (supervised_tokens 0"),
     ],
 )
 def test_a_damaged_or_older_store_is_rebuilt_never_read(tmp_path, damage, reason):
@@ -107,6 +113,23 @@ def test_a_damaged_or_older_store_is_rebuilt_never_read(tmp_path, damage, reason
         rebuilt.tokens.tolist() == open_or_build(tmp_path, "src", TinyChat(), None, log=print).tokens.tolist()
     )
     assert rebuilt.conversation(0)[0].tolist() == TinyChat().encode(data[0].turns)[0]
+
+
+def test_a_store_built_from_a_short_source_is_never_used_once_the_source_is_whole(tmp_path):
+    data = examples(20)
+    short = open_or_build(tmp_path, "src", TinyChat(), lambda: data[:15], log=lambda _: None)
+    assert short.conversations == 15  # nothing said how many there should be
+    said: list[str] = []
+    whole = open_or_build(tmp_path, "src", TinyChat(), lambda: data, log=said.append, total=20)
+    assert whole.conversations == 20
+    assert "holds 15 conversations, the data has 20" in said[0] and "rebuilding" in said[0], said
+
+
+def test_a_source_that_gives_fewer_conversations_than_it_has_is_never_stored(tmp_path):
+    data = examples(20)
+    with pytest.raises(DataError, match="the data gave 15 conversations of 20; nothing is stored"):
+        open_or_build(tmp_path, "src", TinyChat(), lambda: data[:15], log=lambda _: None, total=20)
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
 
 
 def test_two_builders_at_once_build_once(tmp_path):

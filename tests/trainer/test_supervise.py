@@ -242,3 +242,27 @@ def test_a_stop_during_the_backoff_is_for_good(tmp_path, cache_dir):
         finish(supervisor)
     assert [e["event"] for e in read_events(out)] == ["start", "crash", "stop"]
     assert read_events(out)[-1]["text"].endswith("stopped by SIGTERM before restarting")
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.3], ids=["the-first-instant", "before-the-trainer-is-up"])
+def test_a_stop_at_any_moment_of_the_start_closes_the_run_record(tmp_path, cache_dir, delay_s):
+    """A SIGTERM to the recorded PID as soon as the record names it (the launch has not even exec'd
+    the supervisor yet), or while the trainer is still importing: the run ends stopped, exit 0, and
+    its record says so (not `running` forever)."""
+    out = tmp_path / "early"
+    log = tmp_path / "early.log"
+    supervisor = launch(log, 3, [*common(cache_dir, steps=400), "--out", str(out)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "run.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(delay_s)
+        supervisor.send_signal(signal.SIGTERM)
+        status = supervisor.wait(timeout=120)
+    finally:
+        finish(supervisor)
+    record = json.loads((out / "run.json").read_text())
+    assert status == 0, log.read_text()
+    assert (record["state"], record["exit_status"]) == ("stopped", 0), record
+    assert record["exit_reason"].startswith("stopped by SIGTERM") and record["ended_at"]
+    assert [e["event"] for e in read_events(out)] == ["start", "stop"]

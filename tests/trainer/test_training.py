@@ -321,3 +321,23 @@ def test_bad_training_data_is_one_line_naming_the_file_and_exit_2(tmp_path, cach
     assert re.search(said, result.stderr), result.stderr
     assert "Traceback" not in result.stderr
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+
+
+def test_a_resumed_run_stopped_before_training_stays_at_its_checkpoint_s_step(
+    tmp_path, cache_dir, monkeypatch
+):
+    """A stop while the data is prepared (the token store's build, a regeneration) on a resumed run:
+    the record says the step the run is at (its checkpoint's), not 0."""
+    import trainer.run.train
+    from trainer.run import runrecord
+
+    out = tmp_path / "resumed"
+    args = ["--run", "eager", "--seed", "5", "--set", f"data.cache_dir={cache_dir}", "--set",
+            "train.eval_every=0", "--set", "train.checkpoint_every=4", *FAST, "--out", str(out)]  # fmt: skip
+    first = run_trainer(*args, "--steps", "4")
+    assert first.returncode == 0, first.stderr
+    runrecord.write_record(out, {"run": "eager", "run_id": "eager-2", "pid": os.getpid(), "state": "running"})
+    monkeypatch.setattr(trainer.run.train, "load_data", lambda *_args: None)  # a stop came meanwhile
+    assert main([*args, "--steps", "8", "--resume"]) == 0
+    record = runrecord.read_record(out)
+    assert (record["state"], record["exit_reason"]) == ("stopped", "stopped at step 4, before training began")

@@ -101,3 +101,14 @@ def test_a_diverged_trainer_ends_the_run_failed_with_its_reason_and_no_restart(t
     assert failed["event"] == "failed" and failed["exit_status"] == 2
     assert failed["reason"] == "diverged: the loss is nan at step 4 (train.lr 0.5); the run stopped"
     assert failed["text"] == f"r on {failed['host']}: {failed['reason']}"  # the notice's line
+
+
+def test_a_stop_event_gives_the_step_of_the_checkpoint_it_saved_not_the_last_logged_row(tmp_path) -> None:
+    rows = [{"kind": "train", "step": step, "loss": 1.0} for step in (110, 120, 130)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    record = {"run_id": "r-1", "run": "r", "pid": gone_pid(), "state": "stopped", "last_step": 136}
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    events = EventLog(tmp_path, "r", run_id="r-1", notify_url="")
+    assert events.record("stop", "stopped by SIGTERM", exit_status=0)["step"] == 136
+    (tmp_path / "run.json").write_text(json.dumps({**record, "run_id": "r-0"}))  # another launch's record
+    assert events.record("stop", "stopped by SIGTERM", exit_status=0)["step"] == 130

@@ -304,3 +304,35 @@ def test_the_worker_count_of_each_stretch_in_runs_and_status():
         "1 worker thread from step 900"
     ]
     assert curves.curve_lines({"stretches": "garbage"}) == []
+def test_a_killed_launch_with_a_later_one_shows_no_step_or_tau_it_never_reached():
+    killed = record("nographs", 70, "2026-01-01T16:00:00Z")
+    later = record("nographs", 80, "2026-01-01T17:00:00Z")
+    histories = {
+        "ct200": [
+            entry(
+                "nographs",
+                [
+                    event("start", 70, "2026-01-01T16:00:01Z", step=60, tau=1.7),  # the previous launch's
+                    event("start", 80, "2026-01-01T17:00:01Z", step=60, tau=1.7),
+                    event(
+                        "stop", 80, "2026-01-01T17:10:00Z", step=136, tau=1.9, text="x: stopped by SIGTERM"
+                    ),
+                ],
+                last_step=136,
+                last_tau=1.9,
+            )
+        ]
+    }
+    rows = history.run_rows([killed, later], histories, {"ct200": {"70": False, "80": False}})
+    by_pid = {row["pid"]: row for row in rows}
+    assert (by_pid[70]["state"], by_pid[70]["step"], by_pid[70]["last_tau"]) == ("crashed", None, None)
+    assert (by_pid[80]["step"], by_pid[80]["last_tau"]) == (136, 1.9)
+
+
+def test_the_exit_column_is_cut_at_a_word_never_inside_one():
+    reason = "bad input: --resume: the checkpoint was trained with a different setup (train.seq_len 512)"
+    row = {"run": "r", "host": "h", "state": "failed", "exit_reason": reason}
+    exit_cell = history.run_table([row])[1].split("failed", 1)[1].strip().split("  ")[-1].strip()
+    assert len(exit_cell) <= 60 and exit_cell.endswith("…")
+    assert reason.startswith(exit_cell[:-1]) and reason[len(exit_cell) - 1] == " "
+    assert history.clip("short reason", 60) == "short reason"

@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import config_steps, run_steps
+from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
+    config_steps,
+    progress_line,
+    run_steps,
+)
 from ansible_collections.dflash.ct200.plugins.modules import run_history
 
 from trainer.config import config_from_dict, dump_config
@@ -46,9 +50,12 @@ def test_a_run_is_summarized_from_its_files(run_module, tmp_path) -> None:
     assert result["changed"] is False
     (run,) = result["runs"]
     assert run["out"] == str(out) and run["name"] == "nographs" and run["total_steps"] == 40
-    assert run["last_step"] == 30 and run["last_loss"] == 2.0
-    assert run["tokens_per_s"] == pytest.approx((100.0 + 250.0 + 300.0) / 3)  # the resumed row of step 20
-    assert run["best_tau"] == 1.9 and run["last_tau"] == 1.8  # by step, not by line
+    # Resumed at 20: the run is at step 20 (what status's progress line says), step 30 was a launch's
+    # that is gone, as is its eval.
+    assert run["last_step"] == 20 and run["last_loss"] == 2.5
+    assert progress_line(str(out), 40).startswith("step 20/40 loss 2.5000")  # status's progress line agrees
+    assert run["tokens_per_s"] == pytest.approx((100.0 + 250.0) / 2)  # the resumed row of step 20
+    assert run["best_tau"] == 1.9 and run["last_tau"] == 1.9
     assert [event["event"] for event in run["events"]] == ["start", "finish"]
     assert run["events"][1]["run_id"] == "nographs-a-1" and run["events"][1]["exit_status"] == 0
     assert "series" not in run

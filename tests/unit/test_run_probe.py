@@ -254,11 +254,91 @@ def test_a_run_regenerating_its_data_is_reported_with_that_stage_s_progress(
     assert report["last_progress"] == (
         "regen: 12,288/800,000 conversations, 9,437,184 tokens, 5,321 tok/s, eta 1 day, 17:21:02"
     )
-    assert status_line({**report, "run": "nographs"}).startswith(
-        f"regenerating: nographs as PID {started['pid']} "
+    assert status_line({**report, "run": "nographs"}) == (
+        f"regenerating: nographs as PID {started['pid']} (the target regenerates its data; training follows)"
+    )
+    data_only = {
+        **record,
+        "cmdline": [*record.get("cmdline", ["python", "-m", "trainer"]), "--data-only"],
+        "stage": "regenerating",
+        "regen": regen,
+    }
+    record_file.write_text(json.dumps(data_only))  # ./dev.sh regen
+    result = probe(run_module, runs_dir=str(runs), recorded=started["record"])
+    assert status_line({**result.result, "run": "nographs"}).endswith(
+        "(the target regenerates its data; no training follows)"
     )
     record_file.write_text(json.dumps({**record, "stage": "training", "regen": regen}))
     training = probe(
         run_module, runs_dir=str(runs), recorded=started["record"], log=str(tmp_path / "train.log")
     )
     assert "stage" not in training.result and status_line(training.result).startswith("running: ")
+
+
+def close_record(out, **fields) -> None:
+    record = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**record, **fields}))
+
+
+def test_the_launch_s_wait_takes_the_exit_from_the_run_record_not_the_log_s_last_line(
+    tmp_path, run_module, trainer
+) -> None:
+    out = tmp_path / "runs" / "nographs"
+    started = trainer("--first-step-after", "30", out=out)
+    assert logged_within(tmp_path / "train.log", "stand-in trainer", 10)
+    kill_and_reap(started["pid"])
+    reason = "bad input: --resume: the checkpoint was trained with a different setup"
+    close_record(out, state="failed", exit_status=2, exit_reason=reason)
+    with (tmp_path / "train.log").open("a") as log:
+        log.write("notice: the failed notice was not delivered (ConnectionRefusedError: refused)\n")
+    result = probe(
+        run_module, recorded=started["record"], log=str(tmp_path / "train.log"), wait_for="^step ", timeout=20
+    )
+    assert result.failed and f"exit status: 2 ({reason})" in result.result["msg"]
+
+
+def test_status_reads_the_cached_run_s_own_output_without_the_launch_s_workspace(
+    tmp_path, run_module, trainer
+) -> None:
+    out = tmp_path / "elsewhere" / "runs" / "nographs"
+    started = trainer("--first-step-after", "30", out=out)
+    kill_and_reap(started["pid"])
+    close_record(out, state="crashed", exit_status=1, exit_reason="crashed: RuntimeError: boom")
+    (tmp_path / "default-workspace" / "runs").mkdir(parents=True)
+    result = probe(
+        run_module, runs_dir=str(tmp_path / "default-workspace" / "runs"), recorded=started["record"]
+    )
+    assert (result.result["state"], result.result["exit_status"]) == ("exited", 1), result.result
+    assert result.result["exit_reason"] == "crashed: RuntimeError: boom"
+    assert result.result["target"]["record"]["run_id"] == started["run_id"]
+
+
+def test_the_disk_refusal_offers_only_a_way_out_that_works() -> None:
+    by_checkpoints = run_probe.disk_refusal("/ws", 2000, 1024, 5000.0)
+    assert "three checkpoints of 5000.0 MiB" in by_checkpoints and "15000 MiB are needed" in by_checkpoints
+    assert (
+        "lowering it does not help" in by_checkpoints and "lower preflight_min_free_mib" not in by_checkpoints
+    )
+    new_output = run_probe.disk_refusal("/ws", 500, 1024, 0.0)
+    assert new_output == (
+        "/ws has 500 MiB free, 1024 MiB are needed (preflight_min_free_mib). Free space there, or lower "
+        "preflight_min_free_mib in the inventory"
+    )
+    assert "0.0 MiB" not in new_output
+
+
+def test_wait_for_succeeds_when_the_trainer_logged_the_line_and_ended_well(
+    tmp_path, run_module, trainer
+) -> None:
+    """A data-only regeneration whose cache already holds the data may end before a poll sees it run."""
+    started = trainer("--behave", "finish")
+    assert gone_within(started["pid"], 10)
+    result = probe(
+        run_module,
+        **identity(started),
+        log=str(tmp_path / "train.log"),
+        wait_for=r"^step \d+/\d+ ",
+        timeout=20,
+    )
+    assert not result.failed, result.result["msg"]
+    assert result.result["matched"].startswith("step ") and result.result["exit_status"] == 0

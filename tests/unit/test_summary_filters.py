@@ -181,6 +181,19 @@ def test_stop_block_names_the_run_stopped_or_that_none_was_recorded() -> None:
     ]
 
 
+def test_a_stop_with_a_cache_that_cannot_be_written_does_not_claim_the_repair() -> None:
+    result = {
+        "msg": "stopped PID 7 after its checkpoint",
+        "repair": "the cache had no run: cache and ledger repaired",
+    }
+    write = {"cache_error": "the controller's fact cache cannot be used (read-only)"}
+    lines = stop_block(result, "ct200", None, write)
+    assert lines[1] == (
+        "  repaired the cache had no run: ledger repaired; "
+        "but the controller's fact cache cannot be used (read-only)"
+    )
+
+
 def test_roles_call_the_status_and_stop_filters_from_jinja_as_written() -> None:
     """The calls of roles/run_status and roles/run_stop, through ansible's own templating."""
     templar = Templar(

@@ -4,6 +4,7 @@ store (store.py) and the rows and loader (rows.py) are built from these."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator
@@ -17,29 +18,80 @@ class DataError(Exception):
     pass
 
 
+class DiskFull(OSError):
+    """The disk filled while data derived from the data file was written (regenerated shards, the
+    token store): a crash like a full disk while training (exit status 1, docs/OPERATING.md), not
+    bad input; the message says what is kept and the way out."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+MAX_LINE_BYTES = 8 << 20
+"""The longest line a data file may have (8 MiB): far more than any conversation a target's context
+holds (128K tokens of JSON-escaped text is a few MiB), small enough that one bad line is refused in
+well under a second and without gigabytes of memory."""
+
+
+def iter_lines(path: str | Path, limit: int = MAX_LINE_BYTES) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset, raw bytes) of each line; a line longer than `limit` bytes is
+    refused (DataError, file:line) after reading at most limit + 1 bytes of it."""
+    with Path(path).open("rb") as handle:
+        offset = 0
+        for number in itertools.count(1):
+            raw = handle.readline(limit + 1)
+            if not raw:
+                return
+            if len(raw) > limit and not raw.endswith(b"\n"):
+                raise DataError(
+                    f"{path}:{number}: the line is longer than {limit >> 20} MiB, more than any "
+                    "conversation a target's context holds; split the conversation or remove the line"
+                )
+            yield number, offset, raw
+            offset += len(raw)
+
+
+def parse_line(path: str | Path, number: int, raw: bytes) -> list[dict[str, str]] | None:
+    """The messages of one JSONL line; None for a blank line or a conversation without an assistant
+    turn. A line that is not UTF-8 or not a conversation raises DataError naming file:line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{path}:{number}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+            "save the file as UTF-8 JSON lines"
+        ) from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(
+            f'{path}:{number}: not JSON ({exc.msg}); every line must be one {{"messages": '
+            '[{"role": ..., "content": ...}, ...]} object'
+        ) from None
+    messages = record.get("messages") if isinstance(record, dict) else record
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise DataError(f'{path}:{number}: expected {{"messages": [{{"role", "content"}}, ...]}}')
+    return messages if any(m["role"] == "assistant" for m in messages) else None
+
+
 def iter_conversations(path: str | Path) -> Iterator[tuple[int, list[dict[str, str]]]]:
     """Stream JSONL: (line number, messages) for each line {"messages": [{"role": ..., "content":
     ...}, ...]} (or a bare list) that has an assistant turn; blank lines and conversations with no
-    assistant turn are skipped. Memory does not grow with the file."""
-    with Path(path).open() as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(
-                    f'{path}:{number}: not JSON ({exc.msg}); every line must be one {{"messages": '
-                    '[{"role": ..., "content": ...}, ...]} object'
-                ) from None
-            messages = record.get("messages") if isinstance(record, dict) else record
-            if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            ):
-                raise DataError(f'{path}:{number}: expected {{"messages": [{{"role", "content"}}, ...]}}')
-            if any(m["role"] == "assistant" for m in messages):
-                yield number, messages
+    assistant turn are skipped. Memory does not grow with the file (a line is at most
+    MAX_LINE_BYTES)."""
+    for number, _, raw in iter_lines(path):
+        messages = parse_line(path, number, raw)
+        if messages is not None:
+            yield number, messages
 
 
 def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:

@@ -6,9 +6,12 @@ kept in memory), then cut into shards of `shard_size` conversations. Shard i goe
 i % workers (a thread per device, or a rank under torchrun); each shard is generated turn by turn
 (a later turn sees the regenerated earlier ones) and written atomically as
 <cache>/regenerated/<key>/shard-<first>-<end>.jsonl, one {"line", "turns"} row per conversation.
-A shard on disk is finished; a stop or a crash loses at most the shards being generated, and the
-next start generates only what is missing. The key covers the data file's bytes (hashed in
-chunks), the target's and tokenizer's files, the generation settings and the dtype.
+Beside each shard, its seal (shard-<first>-<end>.sha256: SHA-256, size, rows) is written after it: a
+shard with its seal is finished; one without, or of another size, is missing (generated again), and
+one whose contents do not match is never read (ShardDamaged). A stop or a crash loses at most the
+shards being generated, and the next start generates only what is missing. The key covers the data
+file's bytes (as indexed, in the same pass), the target's and tokenizer's files, the generation
+settings and the dtype.
 
 Engines (data.regen_engine): "static" is `generate` with a static KV cache (compiled on CUDA) over
 left-padded batches of similar length, widths rounded up to min_width x a power of two so few
@@ -36,7 +39,17 @@ from pathlib import Path
 import torch
 
 from ..config import FLEX_MIN_LEN
-from .chat import ChatFormat, DataError, Example, iter_conversations, prompt_ids, tokenize_stream
+from .chat import (
+    MAX_LINE_BYTES,
+    ChatFormat,
+    DataError,
+    DiskFull,
+    Example,
+    iter_lines,
+    parse_line,
+    prompt_ids,
+    tokenize_stream,
+)
 
 REGEN_FORMAT = 2
 ENGINES = ("static", "continuous")
@@ -87,86 +100,93 @@ def model_fingerprint(directory: Path, digest) -> None:
             digest.update(f"{item.name}|{stat.st_size}|{int(stat.st_mtime)}|".encode())
 
 
-def regen_key(train_file: Path, target_path: Path, tokenizer_path: Path, settings: RegenSettings) -> str:
-    digest = hashlib.sha256(settings.key_fields().encode())
-    file_digest(train_file, digest)
+def key_seed(settings: RegenSettings | None):
+    """The digest a cache key starts from, before the data file's bytes: the regeneration's settings,
+    or (settings None) a data file used as it is. DataIndex.build feeds it the bytes it indexes."""
+    return hashlib.sha256(settings.key_fields().encode() if settings is not None else b"raw|")
+
+
+def regen_key(train_file: Path, target_path: Path, tokenizer_path: Path, settings: RegenSettings,
+              indexed=None) -> str:  # fmt: skip
+    """The regeneration's cache key. `indexed`: key_seed(settings) as DataIndex.build fed it (the
+    key is then of exactly the contents indexed); without it the file is read here."""
+    digest = indexed if indexed is not None else file_digest(train_file, key_seed(settings))
     model_fingerprint(target_path, digest)
     if tokenizer_path != target_path:
         model_fingerprint(tokenizer_path, digest)
     return digest.hexdigest()[:24]
 
 
-def raw_key(train_file: Path, tokenizer_path: Path) -> str:
+def raw_key(train_file: Path, tokenizer_path: Path, indexed=None) -> str:
     """The key of a data file used as it is (data.regenerate: false): its bytes and the tokenizer."""
-    digest = file_digest(train_file, hashlib.sha256(b"raw|"))
+    digest = indexed if indexed is not None else file_digest(train_file, key_seed(None))
     model_fingerprint(tokenizer_path, digest)
     return "raw-" + digest.hexdigest()[:24]
 
 
-def file_identity(path: Path) -> tuple[int, int]:
-    stat = path.stat()
-    return stat.st_size, stat.st_mtime_ns
+def line_hash(raw: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
 
 
 @dataclass
 class DataIndex:
-    """Where each conversation of a JSONL file is: its line number and byte offset (the whole file
-    is parsed once, so a malformed line is refused before any work)."""
+    """Where each conversation of a JSONL file is (its line number and byte offset) and what it was
+    (a hash of its line): the whole file is parsed once, so a malformed line is refused before any
+    work, and every later read of a conversation is checked against what was indexed, so a file
+    changed in place (even at the same size and mtime) is noticed before anything is generated or
+    stored from the new contents under the old contents' key. 16 bytes a conversation."""
 
     path: Path
     lines: array = field(default_factory=lambda: array("q"))
     offsets: array = field(default_factory=lambda: array("q"))
-    identity: tuple[int, int] = (0, 0)
+    hashes: array = field(default_factory=lambda: array("q"))
 
     @classmethod
-    def build(cls, path: Path) -> DataIndex:
-        index = cls(path, identity=file_identity(path))
-        line_starts = array("q")
-        with path.open("rb") as handle:
-            position = 0
-            for raw in handle:
-                line_starts.append(position)
-                position += len(raw)
-        for number, _ in iter_conversations(path):
-            index.lines.append(number)
-            index.offsets.append(line_starts[number - 1])
+    def build(cls, path: Path, digest=None) -> DataIndex:
+        """The index of `path`; `digest` (a hashlib object, key_seed) is fed every byte indexed."""
+        index = cls(path)
+        for number, offset, raw in iter_lines(path):
+            if digest is not None:
+                digest.update(raw)
+            if parse_line(path, number, raw) is not None:
+                index.lines.append(number)
+                index.offsets.append(offset)
+                index.hashes.append(line_hash(raw))
         if not index.lines:
             raise DataError(
                 f"{path}: no conversation with an assistant turn; expected one "
                 '{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} per line'
             )
-        index.check_unchanged()
         return index
 
     def __len__(self) -> int:
         return len(self.lines)
 
-    def check_unchanged(self) -> None:
-        if file_identity(self.path) != self.identity:
-            raise DataError(
-                f"{self.path} changed during the regeneration; the shards finished so far are kept "
-                "under the old contents' key. Leave the file alone and run again (the new contents "
-                "get a new key)"
-            )
+    def changed(self, line: int) -> str:
+        return (
+            f"{self.path}:{line} changed while the run was reading the file (its contents are not "
+            "the ones its cache key was computed from); what was stored so far is kept under the "
+            "original contents' key. Leave the file alone while a run uses it, and run again (the "
+            "new contents get a key of their own)"
+        )
 
     def read(self, start: int, end: int) -> list[tuple[int, list[dict[str, str]]]]:
-        """(line number, messages) of conversations start..end-1."""
-        wanted = {self.lines[i] for i in range(start, end)}
+        """(line number, messages) of conversations start..end-1, each checked against the index."""
         found = []
         with self.path.open("rb") as handle:
-            handle.seek(self.offsets[start])
-            number = self.lines[start]
-            for raw in handle:
-                if number in wanted:
-                    record = json.loads(raw)
-                    found.append((number, record["messages"] if isinstance(record, dict) else record))
-                    if len(found) == end - start:
-                        break
-                number += 1
-        if len(found) != end - start:
-            self.check_unchanged()
-            raise DataError(f"{self.path}: lines {self.lines[start]}-{self.lines[end - 1]} are gone")
+            for i in range(start, end):
+                handle.seek(self.offsets[i])
+                raw = handle.readline(MAX_LINE_BYTES + 1)
+                if line_hash(raw) != self.hashes[i]:
+                    raise DataError(self.changed(self.lines[i]))
+                found.append((self.lines[i], parse_line(self.path, self.lines[i], raw)))
         return found
+
+    def messages(self, start: int = 0, end: int | None = None, chunk: int = 1024) -> Iterator[list[dict]]:
+        """The messages of conversations start..end-1, read (and checked) `chunk` at a time."""
+        end = len(self) if end is None else end
+        for first in range(start, end, chunk):
+            yield from (messages for _, messages in self.read(first, min(first + chunk, end)))
 
 
 # ---- engines: prompts in, greedy answers (without the end token) out, in the prompts' order ----
@@ -378,6 +398,40 @@ def cpu_cache_config(prompts, max_new_tokens: int):
 GENERATORS = {"static": static_generate, "continuous": continuous_generate}
 
 
+class ShardDamaged(DataError):
+    """A shard's contents do not match the checksum written with it."""
+
+
+def shard_seal(body: bytes, rows: int) -> dict:
+    return {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body), "rows": rows}
+
+
+def shard_range(path: Path) -> tuple[int, int]:
+    """(start, end) from a shard's name, shard-<start>-<end>.jsonl."""
+    _, start, end = path.stem.split("-")
+    return int(start), int(end)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Atomically: a temporary file beside it, fsync, rename, fsync of the directory."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with tmp.open("wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class Progress:
     """Conversations and tokens done across every worker of this process (thread-safe): of `total`
@@ -434,8 +488,64 @@ class Regeneration:
     def shard_path(self, start: int, end: int) -> Path:
         return self.directory / f"shard-{start:09d}-{end:09d}.jsonl"
 
+    def seal_path(self, start: int, end: int) -> Path:
+        """Beside each shard: its sha256, size and rows, written with it (shard_seal)."""
+        return self.directory / f"shard-{start:09d}-{end:09d}.sha256"
+
+    def seal(self, start: int, end: int) -> dict | None:
+        try:
+            seal = json.loads(self.seal_path(start, end).read_text())
+        except (OSError, ValueError):
+            return None
+        return seal if isinstance(seal, dict) and {"sha256", "bytes", "rows"} <= seal.keys() else None
+
+    def damage(self, start: int, end: int) -> str | None:
+        """Why a shard on disk cannot be used, judged by its size against its seal (cheap enough for
+        every start and every rank: the contents are checked whole when read, read_shard); None for
+        a shard that looks whole or is not there at all."""
+        path = self.shard_path(start, end)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return None
+        seal = self.seal(start, end)
+        if seal is None:
+            return "it has no checksum beside it (written by an older trainer, or its write was cut off)"
+        if size != seal["bytes"] or seal["rows"] != end - start:
+            return f"it is {size:,} bytes, its checksum says {seal['bytes']:,} (cut short or emptied on disk)"
+        return None
+
+    def damaged(self) -> list[tuple[Path, str]]:
+        """The shards on disk that cannot be used, and why: missing() counts them, and they are
+        generated again."""
+        found = ((self.shard_path(s, e), self.damage(s, e)) for s, e in self.ranges)
+        return [(path, why) for path, why in found if why]
+
     def missing(self) -> list[int]:
-        return [i for i, (s, e) in enumerate(self.ranges) if not self.shard_path(s, e).exists()]
+        return [
+            i
+            for i, (s, e) in enumerate(self.ranges)
+            if not self.shard_path(s, e).exists() or self.damage(s, e) is not None
+        ]
+
+    def read_shard(self, start: int, end: int) -> list[dict]:
+        """The rows of a shard, its contents checked against its seal first: a damaged shard is never
+        read short or half. It raises ShardDamaged (its seal is removed, so the next start
+        generates it again)."""
+        path = self.shard_path(start, end)
+        try:
+            body = path.read_bytes()
+        except FileNotFoundError:
+            body = b""
+        seal = self.seal(start, end)
+        if seal is None or seal["rows"] != end - start or hashlib.sha256(body).hexdigest() != seal["sha256"]:
+            with contextlib.suppress(OSError):
+                self.seal_path(start, end).unlink()
+            raise ShardDamaged(
+                f"{path} is damaged: its contents do not match the checksum written with it. It will be "
+                f"regenerated ({end - start:,} conversations): run again"
+            )
+        return [json.loads(line) for line in body.splitlines()]
 
     def conversations_done(self) -> int:
         gone = set(self.missing())
@@ -485,7 +595,6 @@ class Regeneration:
             rows = self.regenerate_shard(start, end, target, progress, should_stop)
             if rows is None:
                 return False
-            self.index.check_unchanged()
             self.write_shard(self.shard_path(start, end), rows)
             progress.add(end - start, 0)
         return True
@@ -552,31 +661,23 @@ class Regeneration:
                     prompt += len(self.chat.header(role)) + body + closing
 
     def write_shard(self, path: Path, rows: list[dict]) -> None:
-        """Atomically: a temporary file, fsync, rename, fsync of the directory. A full disk leaves
-        no partial shard, and every finished shard stays."""
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
+        """The shard, then its seal (shard_seal), each atomically (write_durably). A full disk leaves
+        no partial shard, and every finished shard stays; a shard whose seal is not written yet is
+        missing (generated again)."""
+        body = "".join(json.dumps(row) + "\n" for row in rows).encode()
+        seal = self.seal_path(*shard_range(path))
         try:
-            with tmp.open("w") as handle:
-                for row in rows:
-                    handle.write(json.dumps(row) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
+            seal.unlink(missing_ok=True)  # never a new shard beside an older shard's seal
+            write_durably(path, body)
+            write_durably(seal, json.dumps(shard_seal(body, len(rows))).encode())
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             if exc.errno == errno.ENOSPC:
                 done = self.conversations_done()
-                raise DataError(
+                raise DiskFull(
                     f"disk full writing {path}: {exc.strerror}; {done} of {len(self.index)} conversations "
                     f"are regenerated and kept in {self.directory}. Free space and run again to continue"
                 ) from None
             raise
-        fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def examples(self, start: int = 0, end: int | None = None) -> ShardedExamples:
         return ShardedExamples(self, start, len(self.index) if end is None else end)
@@ -596,11 +697,9 @@ class ShardedExamples:
         for start, end in self.regeneration.ranges:
             if end <= self.start or start >= self.end:
                 continue
-            path = self.regeneration.shard_path(start, end)
-            with path.open() as handle:
-                for position, line in enumerate(handle, start):
-                    if self.start <= position < self.end:
-                        yield json.loads(line)
+            for position, row in enumerate(self.regeneration.read_shard(start, end), start):
+                if self.start <= position < self.end:
+                    yield row
 
     def __iter__(self) -> Iterator[Example]:
         for row in self.rows():
@@ -608,7 +707,8 @@ class ShardedExamples:
 
 
 class TokenizedFile:
-    """Conversations start..end-1 of a data file used as it is, tokenized as they are read."""
+    """Conversations start..end-1 of a data file used as it is, tokenized as they are read (each read
+    checked against the index: DataIndex.read)."""
 
     def __init__(self, index: DataIndex, chat: ChatFormat, start: int, end: int):
         self.index, self.chat, self.start, self.end = index, chat, start, end
@@ -617,8 +717,7 @@ class TokenizedFile:
         return self.end - self.start
 
     def __iter__(self) -> Iterator[Example]:
-        conversations = (messages for _, messages in iter_conversations(self.index.path))
-        yield from tokenize_stream(itertools.islice(conversations, self.start, self.end), self.chat)
+        yield from tokenize_stream(self.index.messages(self.start, self.end), self.chat)
 
 
 def run_workers(regeneration: Regeneration, targets: list, progress: Progress, should_stop,
@@ -649,10 +748,12 @@ def run_workers(regeneration: Regeneration, targets: list, progress: Progress, s
     for thread in threads:
         thread.start()
     next_report = time.monotonic() + report_every_s
+    first = True  # the first shard finished is reported at once: a short regeneration shows progress too
     while any(thread.is_alive() for thread in threads):  # ends when the workers do
         threads[0].join(timeout=0.1)
-        if time.monotonic() >= next_report:
+        if time.monotonic() >= next_report or (first and progress.done > 0):
             report()
+            first = progress.done == 0
             next_report = time.monotonic() + report_every_s
     if errors:
         raise errors[0]
@@ -668,8 +769,7 @@ def export_chat_jsonl(index: DataIndex, examples: ShardedExamples, tokenizer, de
     count = 0
     try:
         with tmp.open("w") as handle:
-            originals = iter_conversations(index.path)
-            for (_, messages), row in zip(originals, examples.rows(), strict=True):
+            for messages, row in zip(index.messages(), examples.rows(), strict=True):
                 for message, (role, ids) in zip(messages, row["turns"], strict=True):
                     if role == "assistant":
                         message["content"] = tokenizer.decode(ids, skip_special_tokens=False)

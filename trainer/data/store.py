@@ -17,6 +17,7 @@ or whose files do not match its checksum is rebuilt, never half read.
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import hashlib
 import json
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .chat import ChatFormat, DataError, Example
+from .chat import ChatFormat, DataError, DiskFull, Example
 
 STORE_FORMAT = 1
 ARRAYS = {"tokens": np.int32, "mask": np.uint8, "offsets": np.int64}
@@ -66,12 +67,34 @@ class TokenStore:
 
 
 def _checksum(directory: Path) -> str:
+    return _scan(directory)["sha256"]
+
+
+def _scan(directory: Path) -> dict:
+    """What the arrays hold, read once: their checksum, the supervised tokens (the mask's ones),
+    and from the offsets the conversations, tokens and the longest; `offsets_ok` is False where the
+    offsets do not start at 0 and rise to the end of the token array."""
     digest = hashlib.sha256()
+    supervised = 0
     for name in ARRAYS:
         with (directory / f"{name}.bin").open("rb") as handle:
             while block := handle.read(CHUNK):
                 digest.update(block)
-    return digest.hexdigest()
+                if name == "mask":
+                    supervised += int(np.count_nonzero(np.frombuffer(block, dtype=np.uint8)))
+    offsets = np.fromfile(directory / "offsets.bin", dtype=np.int64)
+    lengths = np.diff(offsets)
+    tokens = (directory / "tokens.bin").stat().st_size // 4
+    return {
+        "sha256": digest.hexdigest(),
+        "supervised_tokens": supervised,
+        "conversations": len(offsets) - 1,
+        "tokens": int(offsets[-1]) if len(offsets) else 0,
+        "longest": int(lengths.max()) if len(lengths) else 0,
+        "offsets_ok": bool(
+            len(offsets) and offsets[0] == 0 and offsets[-1] == tokens and (lengths >= 0).all()
+        ),
+    }
 
 
 def _fsync_file(path: Path) -> None:
@@ -137,6 +160,10 @@ def write_store(
     np.asarray(offsets, dtype=np.int64).tofile(directory / "offsets.bin")
     if len(offsets) == 1:
         raise DataError("the data set has no conversation to train on")
+    if watch is not None and watch.total is not None and len(offsets) - 1 != watch.total:
+        # A source read short is never stored: the store would outlive the source's repair.
+        given = len(offsets) - 1
+        raise DataError(f"the data gave {given:,} conversations of {watch.total:,}; nothing is stored")
     lengths = np.diff(np.asarray(offsets))
     manifest = {
         "format": STORE_FORMAT,
@@ -155,8 +182,10 @@ def write_store(
     return manifest
 
 
-def check_store(directory: Path, verify: bool = True) -> tuple[dict | None, str]:
-    """(manifest, "") for a complete store of this format; (None, why) otherwise."""
+def check_store(directory: Path, verify: bool = True, total: int | None = None) -> tuple[dict | None, str]:
+    """(manifest, "") for a complete store of this format (of `total` conversations, when given: a
+    store built from a source read short is never used once the source is whole); (None, why)
+    otherwise."""
     try:
         manifest = json.loads((directory / "manifest.json").read_text())
     except FileNotFoundError:
@@ -170,6 +199,8 @@ def check_store(directory: Path, verify: bool = True) -> tuple[dict | None, str]
         sizes = {name: (directory / f"{name}.bin").stat().st_size for name in ARRAYS}
     except OSError as exc:
         return None, f"a file is missing ({exc.filename})"
+    if not all(isinstance(manifest.get(name), int) for name in ("tokens", "conversations")):
+        return None, "its manifest has no counts of tokens and conversations"
     expected = {
         "tokens": manifest["tokens"] * 4,
         "mask": manifest["tokens"],
@@ -177,8 +208,20 @@ def check_store(directory: Path, verify: bool = True) -> tuple[dict | None, str]
     }
     if sizes != expected:
         return None, f"its files have sizes {sizes}, the manifest says {expected}"
-    if verify and _checksum(directory) != manifest["sha256"]:
+    if total is not None and manifest["conversations"] != total:
+        return None, f"it holds {manifest['conversations']:,} conversations, the data has {total:,}"
+    if not verify:
+        return manifest, ""
+    found = _scan(directory)
+    if found["sha256"] != manifest["sha256"]:
         return None, "its files do not match the manifest's checksum (damaged on disk)"
+    if not found["offsets_ok"]:
+        return None, "its offsets do not cover its tokens (damaged on disk)"
+    wrong = [f"{name} {manifest.get(name)!r}, the arrays hold {found[name]}"
+             for name in ("conversations", "tokens", "supervised_tokens", "longest")
+             if manifest.get(name) != found[name]]  # fmt: skip
+    if wrong:
+        return None, f"its manifest does not match its arrays ({'; '.join(wrong)})"
     return manifest, ""
 
 
@@ -205,6 +248,11 @@ def open_or_build(
     try:
         return _open_or_build(root, source_key, chat, examples, BuildWatch(log, total, should_stop))
     except OSError as exc:  # unwritable, full disk, ...: nothing half-built is left behind
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(
+                f"disk full writing the token store under {root} ({exc.strerror or exc}); free space "
+                "there or set data.cache_dir to a directory with room for the tokenized data"
+            ) from None
         raise DataError(
             f"cannot build the token store under {root} ({exc.strerror or exc}); free space there or "
             "set data.cache_dir to a writable directory with room for the tokenized data"
@@ -219,7 +267,7 @@ def _open_or_build(root, source_key, chat, examples, watch: BuildWatch) -> Token
     with (root / f"{key}.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (also if this process dies)
         if directory.exists():
-            manifest, why = check_store(directory)
+            manifest, why = check_store(directory, total=watch.total)
             if manifest is not None:
                 return open_store(directory, manifest)
             log(f"data: token store {directory} cannot be used: {why}; rebuilding it")

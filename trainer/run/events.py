@@ -161,6 +161,7 @@ class EventLog:
         restarts: int = 0,
     ) -> dict:
         step, tau = progress(self.out_dir)
+        step = self.checkpointed_step(step)
         row = {
             "time": utc_now(),
             "event": event,
@@ -190,6 +191,17 @@ class EventLog:
         self.note_in_run_record(row)
         self.notify(row)
         return row
+
+    def checkpointed_step(self, step: int | None) -> int | None:
+        """The step the run is at: the metrics' last row, or the record's last checkpoint (or end)
+        where that is further (a stop checkpoints the step it was at, often after the last row)."""
+        from . import runrecord
+
+        record = runrecord.read_record(self.out_dir) or {}
+        last = record.get("last_step")
+        if record.get("run_id") != self.run_id or not isinstance(last, int) or isinstance(last, bool):
+            return step
+        return last if step is None or last > step else step
 
     def note_in_run_record(self, row: dict) -> None:
         """Keep the run record (<out>/run.json, trainer/run/runrecord.py) in step: each restart appended
@@ -223,6 +235,16 @@ class EventLog:
             record.update(state=state, exit_status=status, exit_reason=reason, ended_at=row["time"])
         elif event == "stop" and record.get("state") == "crashed":
             record.update(state="stopped", exit_reason=row["text"].split(": ", 1)[-1], ended_at=row["time"])
+        elif event in ("stop", "finish") and record.get("state") == "running":
+            # The trainer ended before it could close the record (a stop before its handlers were
+            # installed): the process that ends the run closes it.
+            status = row["exit_status"]
+            record.update(
+                state="stopped" if event == "stop" else "finished",
+                exit_status=0 if status is None or status <= 0 else status,
+                exit_reason=row["text"].split(": ", 1)[-1],
+                ended_at=row["time"],
+            )
         else:
             return
         try:

@@ -26,6 +26,7 @@ from ..data.regen import (
     RegenSettings,
     ShardedExamples,
     TokenizedFile,
+    key_seed,
     raw_key,
     regen_key,
     run_workers,
@@ -119,7 +120,10 @@ def prepare_data(cfg: Config, source: DataSource, engines: Engines, world, out, 
     """The run's data (see PreparedData); None when a stop came during the regeneration (what is
     done is kept). Bad data raises BadInput naming the file and line."""
     held_out = cfg.train.eval_prompts if held_out is None else held_out
-    index = read_index(source.train_file, out)
+    settings = settings_of(cfg)
+    # The key is of exactly the bytes indexed (one pass), and every later read is checked against them.
+    seed = key_seed(settings if cfg.data.regenerate else None)
+    index = read_index(source.train_file, out, seed)
     if len(index) <= held_out:
         raise BadInput(
             f"{source.train_file} has {len(index)} conversations; more than train.eval_prompts="
@@ -128,15 +132,16 @@ def prepare_data(cfg: Config, source: DataSource, engines: Engines, world, out, 
     prompts = eval_prompts(index, source.chat, held_out)
     train_end = len(index) - held_out
     if not cfg.data.regenerate:
-        key = raw_key(source.train_file, source.tokenizer_path)
+        key = raw_key(source.train_file, source.tokenizer_path, seed)
         out.line(f"data: {source.train_file} used as it is ({train_end} training conversations, key {key})")
         return PreparedData(TokenizedFile(index, source.chat, 0, train_end), prompts, key, None, index)
-    settings = settings_of(cfg)
-    key = regen_key(source.train_file, source.target_path, source.tokenizer_path, settings)
+    key = regen_key(source.train_file, source.target_path, source.tokenizer_path, settings, seed)
     regeneration = Regeneration(
         index, settings, Path(cfg.data.cache_dir).expanduser(), key, source.chat, source.pad_id,
         engines.max_positions(),
     )  # fmt: skip
+    for path, why in regeneration.damaged():
+        out.line(f"data: {path} cannot be used: {why}; it is regenerated")
     try:
         if not regenerate_missing(cfg, regeneration, engines, world, out, should_stop, out_dir):
             return None
@@ -145,10 +150,10 @@ def prepare_data(cfg: Config, source: DataSource, engines: Engines, world, out, 
     return PreparedData(regeneration.examples(0, train_end), prompts, key, regeneration, index)
 
 
-def read_index(train_file: Path, out) -> DataIndex:
+def read_index(train_file: Path, out, seed) -> DataIndex:
     began = time.monotonic()
     try:
-        index = DataIndex.build(train_file)
+        index = DataIndex.build(train_file, seed)
     except DataError as exc:
         raise BadInput(str(exc)) from None
     except UnicodeDecodeError as exc:

@@ -28,6 +28,7 @@ import torch
 from ..config import Config
 from ..data.chat import ChatFormat, DataError
 from ..data.embedded import ensure_embedded
+from ..data.regen import ShardDamaged
 from ..data.rows import Batch, Loader, build_train_set, valid_anchor_count
 from ..data.store import BuildStopped, open_or_build
 from ..model.drafter import target_layer_ids
@@ -61,6 +62,7 @@ __all__ = ["BadInput", "Diverged", "train"]  # the command line turns both into 
 class Diverged(BadInput):
     """The loss or the weights stopped being finite numbers: training on would only waste the
     machine (a restart from the same checkpoint diverges the same way), so the run ends `failed`."""
+
 
 Topology = ThreadedTopology | ProcessTopology
 World = ThreadedWorld | ProcessWorld
@@ -162,11 +164,13 @@ def run_training(cfg: Config, out_dir: Path, resume: bool, place: Placement) -> 
             out.line(f"--resume: no checkpoint in {out_dir / 'checkpoints'}; starting from step 0")
         models = load_models(cfg, place, out)
         topology = start_topology(cfg, models.replicas, world, out)
+        # A stop before training: the run stays at its checkpoint's step (0 on a fresh start).
+        begun = int(resume_from.state.get("step", 0)) if resume_from is not None else 0
         if not topology.wait_ready(stop):
-            return checkpoint_and_stop(out, stop, world, out_dir, 0)
+            return checkpoint_and_stop(out, stop, world, out_dir, begun)
         prepared = load_data(cfg, models, place, out, stop)
         if world.any(prepared is None):
-            return checkpoint_and_stop(out, stop, world, out_dir, 0)
+            return checkpoint_and_stop(out, stop, world, out_dir, begun)
         run = Run(cfg, out_dir, out, stop, world, topology, models, *prepared)
         step = run.restore(resume_from, place.shape)
         resume_from = None  # the state's tensors are in the model now: drop the copy
@@ -268,6 +272,8 @@ def load_data(cfg: Config, models: Models, place: Placement, out: Output, should
     except BuildStopped:
         out.line("data: stopped while building the token store (nothing of it kept)")
         return None
+    except ShardDamaged as exc:  # names the shard and the way out
+        raise BadInput(str(exc)) from None
     except DataError as exc:
         raise BadInput(f"{models.train_file}: {exc}") from None
     rows = "packed" if t.packing else "padded, one conversation each"
@@ -584,9 +590,10 @@ def checkpoint_and_stop(
     else:
         out.line("nothing to checkpoint yet (training had not started)")
     out.line(f"stopped at step {step}")
+    reason = f"stopped at step {step}" + ("" if save is not None else ", before training began")
     if world.local_rank == 0:
         runrecord.note(
-            out_dir, state="stopped", exit_status=0, exit_reason=f"stopped at step {step}",
+            out_dir, state="stopped", exit_status=0, exit_reason=reason, last_step=step,
             ended_at=runrecord.utc_now(),
         )  # fmt: skip
     sys.stdout.flush()

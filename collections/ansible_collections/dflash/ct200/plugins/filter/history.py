@@ -116,6 +116,9 @@ def launches_only_on_targets(ledger: list[dict], histories) -> list[dict]:
     return list(found.values())
 
 
+END_EVENTS = ("finish", "stop", "failed", "crash")
+
+
 def output_of(record: dict, histories) -> dict | None:
     """The history entry of the output a launch wrote: the one whose events hold its start (it
     follows an output that -e fresh=true moved aside to <out>.<UTC time>), else the one at the
@@ -157,7 +160,9 @@ def run_rows(ledger, histories, alive_by_host=None, run=None, now=None) -> list[
             for r in ledger
         )
         metrics = entry if entry and newest else {}
-        last_event = events[-1] if events else {}
+        # Without the metrics, the step and tau of the launch's own end; a start event's are where
+        # it began (the previous launch's), nothing this launch reached.
+        last_event = next((e for e in reversed(events) if e.get("event") in END_EVENTS), {})
         rows.append(
             {
                 "run": record.get("run"),
@@ -198,6 +203,16 @@ def ledger_restarts(rows) -> list[dict]:
         for row in rows or []
         if row.get("in_ledger") and row.get("restarts") and row.get("restarts") != row.get("ledger_restarts")
     ]
+
+
+def clip(text: str, width: int) -> str:
+    """At most `width` characters, cut at a word's end with an ellipsis, never inside a word."""
+    if len(text) <= width:
+        return text
+    cut = text[: width - 1].rstrip()
+    if " " in cut and not text[width - 1].isspace():
+        cut = cut[: cut.rindex(" ")].rstrip(" ,;:")
+    return cut + "…"
 
 
 def duration(seconds) -> str:
@@ -243,7 +258,7 @@ def run_table(rows, limit: int = 20) -> list[str]:
                 fixed(row.get("last_loss"), 3),
                 f"{fixed(row.get('best_tau'), 2)}/{fixed(row.get('last_tau'), 2)}",
                 fixed(row.get("tokens_per_s"), 0),
-                (row.get("exit_reason") or "")[:60],
+                clip(row.get("exit_reason") or "", 60),
             )
         )
     widths = [max(len(line[i]) for line in table) for i in range(len(header) - 1)]

@@ -80,7 +80,8 @@ def status_line(report: dict) -> str:
     exit_status, exit_reason)."""
     state, run, pid = report.get("state"), report.get("run"), report.get("pid")
     if state == "running" and report.get("stage") == "regenerating":
-        return f"regenerating: {run} as PID {pid} (the target regenerates its data; training follows)"
+        follows = "no training follows" if report.get("data_only") else "training follows"
+        return f"regenerating: {run} as PID {pid} (the target regenerates its data; {follows})"
     if state == "running":
         return f"running: {run} as PID {pid}"
     if state == "exited":
@@ -121,13 +122,14 @@ def status_block(
     return lines
 
 
-def stop_block(result: dict, host: str, record: dict | None) -> list[str]:
+def stop_block(result: dict, host: str, record: dict | None, write: dict | None = None) -> list[str]:
     """A host's lines of the stop summary: what the stop did (trainer_stop's msg), a repair of the
-    controller's cache if any, and the run and log of the `record` stopped (or recorded)."""
+    controller's cache if any, as it really went (`write`: the trainer_record action's result, see
+    repair_said), and the run and log of the `record` stopped (or recorded)."""
     record = record or {}
     lines = [f"{host}: {result.get('msg')}"]
     if result.get("repair"):
-        lines.append("  " + _labelled("repaired", result["repair"]))
+        lines.append("  " + _labelled("repaired", repair_said(result["repair"], write)))
     if record.get("run_id"):
         lines.append("  " + _labelled("run", f"{record.get('run')} ({record['run_id']})"))
     else:

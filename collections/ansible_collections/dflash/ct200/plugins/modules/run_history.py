@@ -83,19 +83,25 @@ def stretches_of(out: str) -> list:
     return [s for s in stretches if isinstance(s, dict)] if isinstance(stretches, list) else []
 
 
+def current_rows(metrics: list[dict], kind: str, valid=lambda row: True) -> list[dict]:
+    """The rows of one kind along the run's current course, in step order: a resumed run repeats
+    the steps after its checkpoint, and a row that goes back drops every later step an earlier
+    launch logged (a launch killed at step 60 after its checkpoint at 50, resumed: 51.. replace
+    51..60, and step 60 is no longer where the run is)."""
+    rows: list[dict] = []
+    for row in metrics:
+        if row.get("kind") != kind or not isinstance(row.get("step"), int) or not valid(row):
+            continue
+        while rows and rows[-1]["step"] >= row["step"]:
+            rows.pop()
+        rows.append(row)
+    return rows
+
+
 def summarize(out: str, points: int) -> dict:
     metrics = jsonl_rows(os.path.join(out, "metrics.jsonl"))
-    # A resumed run repeats the steps after its checkpoint: the later row of a step wins.
-    train = {
-        row["step"]: row for row in metrics if row.get("kind") == "train" and isinstance(row.get("step"), int)
-    }
-    evals = {
-        row["step"]: row
-        for row in metrics
-        if row.get("kind") == "eval" and isinstance(row.get("tau"), (int, float))
-    }
-    train_rows = [train[step] for step in sorted(train)]
-    eval_rows = [evals[step] for step in sorted(evals)]
+    train_rows = current_rows(metrics, "train")
+    eval_rows = current_rows(metrics, "eval", lambda row: isinstance(row.get("tau"), (int, float)))
     recent = [
         row["tokens_per_s"] for row in train_rows[-5:] if isinstance(row.get("tokens_per_s"), (int, float))
     ]

@@ -149,6 +149,10 @@ stage:
   description: C(regenerating) while a live run's target regenerates its data before training (docs/DATA.md).
   type: str
   returned: when the run record says so
+data_only:
+  description: Whether the regenerating run only prepares its data (C(--data-only), C(./dev.sh regen)).
+  type: bool
+  returned: with RV(stage)
 last_eval:
   description: The latest eval row of metrics.jsonl, else of the log (step, tau, prompts).
   type: dict
@@ -244,7 +248,9 @@ output:
       description: Whether the newest checkpoint is at or after RV(output.steps).
       type: bool
 disk:
-  description: With O(disk_path), path, free_mib, required_mib, ok.
+  description:
+    - With O(disk_path), path, free_mib, required_mib, ok, and refusal (why the space would be short and
+      the way out that works, in words).
   type: dict
   returned: when O(disk_path) is given
 last_checkpoint:
@@ -291,6 +297,7 @@ from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     reconcile,
     run_steps,
     tail,
+    target_run,
     target_runs,
 )
 
@@ -349,13 +356,33 @@ def disk_report(path: str, min_free_mib: int, checkpoint_mib: float) -> dict:
         "free_mib": round(free),
         "required_mib": round(required),
         "ok": free >= required,
+        "refusal": disk_refusal(existing, free, min_free_mib, checkpoint_mib),
     }
+
+
+def disk_refusal(path: str, free: float, min_free_mib: int, checkpoint_mib: float) -> str:
+    """Why the space is short and the way out that works: preflight_min_free_mib is only the floor
+    where three checkpoints need less; where they need more, lowering it changes nothing."""
+    checkpoints = 3 * checkpoint_mib
+    have = f"{path} has {free:.0f} MiB free"
+    if checkpoints > min_free_mib:
+        return (
+            f"{have}, {checkpoints:.0f} MiB are needed: room for three checkpoints of "
+            f"{checkpoint_mib:.1f} MiB (the output's newest); preflight_min_free_mib="
+            f"{min_free_mib} is below that, so lowering it does not help. Free space there (a resume "
+            "needs only the newest checkpoint), or give the run an output on a larger disk"
+        )
+    sized = f"; a checkpoint of this run takes {checkpoint_mib:.1f} MiB" if checkpoint_mib else ""
+    return (
+        f"{have}, {min_free_mib} MiB are needed (preflight_min_free_mib{sized}). Free space there, "
+        "or lower preflight_min_free_mib in the inventory"
+    )
 
 
 def target_report(module: AnsibleModule) -> dict:
     """Status from the target's records and locks; the cached record only where the target has none."""
     params = module.params
-    runs = target_runs(params["runs_dir"])
+    runs = with_cached_output(target_runs(params["runs_dir"]), params["recorded"])
     chosen = reconcile(params["recorded"], runs)
     run = chosen["run"]
     record = chosen["record"] or {}
@@ -388,6 +415,8 @@ def target_report(module: AnsibleModule) -> dict:
     if result["state"] == "running" and target_record.get("stage") == "regenerating":
         # The data stage (docs/DATA.md) notes its progress in the run record as it goes.
         result["stage"] = "regenerating"
+        # ./dev.sh regen (trainer --data-only): no training follows.
+        result["data_only"] = "--data-only" in (target_record.get("cmdline") or [])
         result["last_progress"] = regen_progress_line(target_record.get("regen")) or result["last_progress"]
     result["last_eval"] = (last_metrics(out)["eval"] if out else None) or last_tau_in_log(log)
     newest = newest_checkpoint(out)
@@ -404,6 +433,30 @@ def target_report(module: AnsibleModule) -> dict:
     return result
 
 
+def with_cached_output(runs: list[dict], recorded: dict | None) -> list[dict]:
+    """The target's runs under the runs directory, and the cached run's own output where it lies
+    elsewhere (launched with another workspace): status needs no repeated -e to read its record."""
+    out = recorded.get("out") if isinstance(recorded, dict) else None
+    if not isinstance(out, str) or not out or any(run["record"].get("out") == out for run in runs):
+        return runs
+    cached = target_run(out)
+    if cached is None:
+        return runs
+    return sorted([*runs, cached], key=lambda run: str(run["record"].get("started_at", "")), reverse=True)
+
+
+def recorded_exit(recorded: dict | None) -> dict | None:
+    """How the recorded run ended as its run record says (the one source every view reads:
+    docs/OPERATING.md), or None where the record does not say (killed, or no record)."""
+    out = recorded.get("out") if isinstance(recorded, dict) else None
+    run = target_run(out) if isinstance(out, str) and out else None
+    if run is None or run["record"].get("run_id") != recorded.get("run_id") or run["live"]:
+        return None
+    if run.get("exit_status") is None:
+        return None
+    return {"exit_status": run["exit_status"], "exit_reason": run["exit_reason"]}
+
+
 def report(module: AnsibleModule) -> dict:
     params = module.params
     if params["runs_dir"]:
@@ -415,7 +468,7 @@ def report(module: AnsibleModule) -> dict:
     result["last_progress"] = last_matching(params["log"], PROGRESS_RE)
     result["last_eval"] = last_tau(params["metrics"]) or last_tau_in_log(params["log"])
     if result["state"] == "exited":
-        result.update(exit_from_log(tail(params["log"], VERDICT_LINES)))
+        result.update(recorded_exit(params["recorded"]) or exit_from_log(tail(params["log"], VERDICT_LINES)))
     return result
 
 
@@ -434,6 +487,13 @@ def wait(module: AnsibleModule, pattern: re.Pattern[str]) -> dict:
         if result["state"] != "running":
             time.sleep(POLL_S)  # let an exiting trainer's last lines reach the log
             result = report(module)
+            matched = next((line for line in tail(params["log"], 2000) if pattern.search(line)), None)
+            if matched and result.get("exit_status") == 0:
+                # A short run (a data-only regeneration whose cache holds the data) may end cleanly
+                # before a poll sees it run: it logged the line and ended well.
+                result["matched"] = matched
+                result["waited_s"] = round(time.monotonic() - started, 2)
+                return result
             shown = describe_exit(result)
             module.fail_json(
                 msg=(
