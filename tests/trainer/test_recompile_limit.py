@@ -52,7 +52,12 @@ def run_profile(name: str, cache_dir, out) -> tuple[int, str]:
     return proc.returncode, output
 
 
-@pytest.mark.parametrize("name", sorted(known_runs()))
+# The profiles of the embedded target. The qwen3-8b recipe needs a real target and compiles with the
+# nographs settings (trainer/runs/qwen3-8b.yml); its run on a GPU is scripts/gpu_recipe.sh's.
+EMBEDDED_PROFILES = sorted(name for name in known_runs() if name != "qwen3-8b")
+
+
+@pytest.mark.parametrize("name", EMBEDDED_PROFILES)
 def test_no_profile_reaches_the_recompile_limit(name, embedded, cache_dir, tmp_path):
     code, log = run_profile(name, cache_dir, tmp_path / "run")
     assert code == 0, log[-3000:]

@@ -68,11 +68,16 @@ class HashingWriter:
 
     def __init__(self, handle):
         self.handle, self.sha256, self.length = handle, hashlib.sha256(), 0
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         self.sha256.update(data)
         self.length += len(data)
-        return self.handle.write(data)
+        try:
+            return self.handle.write(data)
+        except OSError as exc:  # torch's zip writer hides it behind its own RuntimeError
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self.handle.flush()
@@ -91,7 +96,12 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any]) -> Path:
         with tmp.open("wb") as handle:
             handle.write(placeholder)
             writer = HashingWriter(handle)
-            torch.save(state, writer)
+            try:
+                torch.save(state, writer)
+            except RuntimeError:
+                if writer.error is None:
+                    raise
+                raise writer.error from None  # a full disk, say: the write's own error
             handle.seek(0)
             handle.write(header_of(writer.sha256.hexdigest(), writer.length))
             handle.flush()

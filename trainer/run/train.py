@@ -306,6 +306,9 @@ def regenerated_examples(cfg: Config, models: Models, place: Placement, out: Out
     targets = [replica.target for replica in models.replicas]
     engines = Engines(place.devices, models.target_path, cfg.model.dtype, loaded=targets)
     out_dir = getattr(out, "out_dir", None)  # where this process writes the run's files, if it does
+    for device in dict.fromkeys(place.devices):  # the data stage's own peak, not the warm-up's
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
     prepared = prepare_data(cfg, source, engines, place.world, out, should_stop, out_dir)
     release_data_stage_memory(place.devices, out)
     if prepared is None:
@@ -327,7 +330,7 @@ def release_data_stage_memory(devices: list[torch.device], out: Output) -> None:
         reserved = torch.cuda.memory_reserved(device) / 2**30
         out.line(
             f"data: GPU memory on {device} after the data stage: {in_use:.1f} GiB in use, {reserved:.1f} "
-            f"GiB held (peak {peak:.1f} GiB)"
+            f"GiB held (the stage's peak {peak:.1f} GiB)"
         )
         torch.cuda.reset_peak_memory_stats(device)
 
