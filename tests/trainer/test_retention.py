@@ -54,6 +54,34 @@ def test_a_checkpoint_being_read_is_left_for_a_later_pass(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_partial_write_a_killed_trainer_left_is_removed_by_the_next_checkpoint(tmp_path):
+    _saved(tmp_path, 1)
+    leftover = tmp_path / ".step_00000002.pt.12345.tmp"  # a kill -9 in the middle of a write
+    leftover.write_bytes(b"DFLASH-CKPT 1\n" + b"\0" * 4096)
+    _saved(tmp_path, 3)
+    assert not leftover.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001.pt", "step_00000003.pt"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ("train.keep_checkpoints=-1", "train.keep_checkpoints must not be negative"),
+        ("train.checkpoint_every_s=-5", "train.checkpoint_every_s must be in [0, 604800]"),
+        ("train.checkpoint_every_s=1e9", "train.checkpoint_every_s must be in [0, 604800]"),
+        ("train.checkpoint_every_s=nan", "train.checkpoint_every_s must be a finite number"),
+    ],
+)
+def test_bad_retention_and_clock_values_are_refused_by_name(setting, said):
+    from trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as refused:
+        load_config("nographs", sets=[setting])
+    assert any(said in problem for problem in refused.value.problems), refused.value.problems
+
+
+@pytest.mark.unit
 def test_the_header_has_a_fixed_size_and_names_the_streamed_payload(tmp_path):
     path = save(tmp_path, 7, {"weights": torch.arange(5000, dtype=torch.float32)})
     raw = path.read_bytes()

@@ -93,6 +93,7 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any]) -> Path:
     placeholder = header_of("0" * 64, 0)
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        remove_partial_writes(directory)
         with tmp.open("wb") as handle:
             handle.write(placeholder)
             writer = HashingWriter(handle)
@@ -112,6 +113,14 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any]) -> Path:
         tmp.unlink(missing_ok=True)  # never leave a partial file
         raise CheckpointWriteError(directory, step, exc) from None
     return final
+
+
+def remove_partial_writes(directory: Path) -> None:
+    """A checkpoint a killed trainer was writing (a kill -9 mid-write leaves its temporary file,
+    gigabytes at a real shape): the output's lock lets one trainer write here, so any such file is
+    another, dead process's."""
+    for leftover in directory.glob(".step_*.tmp"):
+        leftover.unlink(missing_ok=True)
 
 
 def fsync_directory(directory: Path) -> None:
