@@ -335,6 +335,7 @@ def test_status_and_stop_read_structured_state_not_the_log(state_dir: Path, clea
     assert status["state"] == "running"
     assert status["last_progress"].startswith("step "), "progress from metrics.jsonl"
     assert status["last_checkpoint"]["step"] >= 3
+    assert status["last_checkpoint"]["kept"][-1] == status["last_checkpoint"]["step"], "what is kept"
     stopped = ctl.stop()
     assert stopped["checkpoint"].startswith("checkpoint saved step "), "the checkpoint from its directory"
     step = int(stopped["checkpoint"].split()[3])

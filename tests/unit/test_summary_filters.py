@@ -124,6 +124,16 @@ def status_report(**changes) -> dict:
     return {**report, **changes}
 
 
+def test_status_names_the_checkpoints_kept_beside_the_newest() -> None:
+    kept = {"step": 300, "path": "/ws/runs/r/checkpoints/step_00000300.pt", "kept": [100, 200, 300]}
+    lines = status_block(status_report(last_checkpoint=kept), "ct200", [], [])
+    assert "  ckpt     step 300 /ws/runs/r/checkpoints/step_00000300.pt (kept: steps 100, 200, 300)" in lines
+    alone = {**kept, "kept": [300]}
+    assert "  ckpt     step 300 /ws/runs/r/checkpoints/step_00000300.pt" in status_block(
+        status_report(last_checkpoint=alone), "ct200", [], []
+    )
+
+
 def test_status_line_words_every_state() -> None:
     assert status_line(status_report()) == (
         "exited: nographs (PID 11540, recorded finished), exit status 0: finished"

@@ -110,7 +110,9 @@ def status_block(
     lines.append("  " + _labelled("progress", report.get("last_progress") or "(no progress yet)"))
     checkpoint = report.get("last_checkpoint")
     if checkpoint:
-        lines.append("  " + _labelled("ckpt", f"step {checkpoint['step']} {checkpoint['path']}"))
+        kept = checkpoint.get("kept") or []
+        also = f" (kept: steps {', '.join(map(str, kept))})" if len(kept) > 1 else ""
+        lines.append("  " + _labelled("ckpt", f"step {checkpoint['step']} {checkpoint['path']}{also}"))
     evaluation = report.get("last_eval")
     tau = f"{evaluation['tau']:.3f} at step {evaluation['step']}" if evaluation else "(no eval yet)"
     lines.append("  " + _labelled("tau", tau))

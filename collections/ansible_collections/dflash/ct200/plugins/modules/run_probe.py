@@ -254,7 +254,10 @@ disk:
   type: dict
   returned: when O(disk_path) is given
 last_checkpoint:
-  description: The newest checkpoint of the reported run's output (step, path), from its checkpoint directory.
+  description:
+    - The newest checkpoint of the reported run's output (step, path), from its checkpoint directory,
+      and the steps of every checkpoint kept there (kept, oldest first; train.keep_checkpoints
+      removes the rest).
   type: dict
   returned: with O(runs_dir)
 exit_status:
@@ -291,7 +294,6 @@ from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     last_matching,
     last_tau,
     last_tau_in_log,
-    newest_checkpoint,
     probe,
     progress_line,
     reconcile,
@@ -419,8 +421,11 @@ def target_report(module: AnsibleModule) -> dict:
         result["data_only"] = "--data-only" in (target_record.get("cmdline") or [])
         result["last_progress"] = regen_progress_line(target_record.get("regen")) or result["last_progress"]
     result["last_eval"] = (last_metrics(out)["eval"] if out else None) or last_tau_in_log(log)
-    newest = newest_checkpoint(out)
-    result["last_checkpoint"] = {"step": newest[0], "path": newest[1]} if newest else None
+    kept = checkpoints(out) if out else []
+    newest = (kept[-1][0], str(kept[-1][1])) if kept else None
+    result["last_checkpoint"] = (
+        {"step": newest[0], "path": newest[1], "kept": [step for step, _ in kept]} if newest else None
+    )
     if result["state"] == "exited":
         if run is not None and run.get("exit_status") is not None:
             result.update(exit_status=run["exit_status"], exit_reason=run["exit_reason"])
