@@ -424,7 +424,7 @@ def target_report(module: AnsibleModule) -> dict:
     kept = checkpoints(out) if out else []
     newest = (kept[-1][0], str(kept[-1][1])) if kept else None
     result["last_checkpoint"] = (
-        {"step": newest[0], "path": newest[1], "kept": [step for step, _ in kept]} if newest else None
+        {"step": newest[0], "path": newest[1], "kept": [found[0] for found in kept]} if newest else None
     )
     if result["state"] == "exited":
         if run is not None and run.get("exit_status") is not None:
