@@ -35,7 +35,10 @@ STEPS=${STEPS:-16}
 # the train stage's launch regenerates the rest): a device call has ten minutes.
 REGEN_BUDGET_S=${REGEN_BUDGET_S:-420}
 REGENERATED=${REGENERATED:-.e2e/regenerated.tgz}
-# A rehearsal on a machine without a GPU: SHAPE=qwen3-tiny BUILD_DEVICE=cpu INVENTORY=inventory/local.
+# A rehearsal on a machine without a GPU: SHAPE=qwen3-tiny BUILD_DEVICE=cpu INVENTORY=inventory/local,
+# and for the train stage shorter rows, e.g. EXTRA_SET=train.seq_len=512,drafter.num_anchors=16
+# (comma-separated trainer settings, added to the run's).
+EXTRA_SET=${EXTRA_SET:-}
 SHAPE=${SHAPE:-qwen3-8b}
 BUILD_DEVICE=${BUILD_DEVICE:-cuda}
 INVENTORY=${INVENTORY:-inventory/gpu}
@@ -66,9 +69,10 @@ playbook() {  # playbook NAME LOG [ansible-playbook args...]
 # end to end: 16 steps, checkpoints at the stop and at the end (one kept, and the best tau's), tau on
 # 4 prompts.
 write_vars() {
-    python3 - "$VARS" "$MODEL" "$NEW_TOKENS" "$REGEN_COMPILE" <<'EOF'
+    python3 - "$VARS" "$MODEL" "$NEW_TOKENS" "$REGEN_COMPILE" "$EXTRA_SET" <<'EOF'
 import json, sys
 path, model, new_tokens, regen_compile = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "true"
+extra = [item for item in sys.argv[5].split(",") if item]
 json.dump({
     "dflash_machine": {
         "model": {"target_path": f"{model}/target", "dtype": "bfloat16"},
@@ -80,7 +84,7 @@ json.dump({
     "workspace_trainer_set": [
         "train.log_every=4", "train.eval_every=0", "train.eval_prompts=4", "train.eval_max_new_tokens=64",
         "train.checkpoint_every=0", "train.checkpoint_every_s=0", "train.keep_checkpoints=1",
-    ],
+    ] + extra,
 }, open(path, "w"), indent=1)
 EOF
 }
