@@ -234,7 +234,8 @@ def test_the_key_streams_the_file_and_covers_what_decides_the_answers(tmp_path, 
     monkeypatch.setattr(pathlib.Path, "read_text", no_whole_file_reads)
     key = regen_key(data, target_path, target_path, settings())
     assert key == regen_key(data, target_path, target_path, settings(batch_size=7, min_width=64))
-    for changed in ({"max_new_tokens": 11}, {"dtype": "bfloat16"}, {"engine": "continuous"}):
+    changes = ({"max_new_tokens": 11}, {"dtype": "bfloat16"}, {"engine": "continuous"})
+    for changed in (*changes, {"max_prompt_tokens": 64}):
         assert regen_key(data, target_path, target_path, settings(**changed)) != key, changed
     with data.open("ab") as handle:
         handle.write(b"y")
@@ -284,6 +285,58 @@ def test_a_later_turn_that_may_not_fit_is_refused_before_generating(tmp_path, ti
     regen = regeneration(tmp_path, data, tiny, max_positions=40)  # 10 new tokens an answer
     with pytest.raises(DataError, match=rf"{data}:2: the conversation needs up to 43 prompt tokens"):
         regen.check_contexts_before_generating(regen.missing())
+
+
+def past_the_rows(tmp_path, limit: int) -> pathlib.Path:
+    """Three conversations for a run whose rows hold `limit` tokens: a second turn that starts past
+    them, a first one that does, and a short one."""
+    short = [{"role": "user", "content": "one two"}, {"role": "assistant", "content": "x"}]
+    second_past = [*short, {"role": "user", "content": "one " * limit}, {"role": "assistant", "content": "y"}]
+    first_past = [{"role": "user", "content": "one " * (2 * limit)}, {"role": "assistant", "content": "z"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (second_past, first_past, short)))
+    return data
+
+
+def test_turns_past_the_training_rows_are_not_generated_and_the_rows_stay_the_same(tmp_path, tiny):
+    """Training cuts every conversation to train.seq_len: a turn whose conversation before it already
+    holds that many tokens is left out, with every turn after it, and what a row takes of each
+    conversation (its first seq_len ids and loss mask) is what regenerating every turn gives."""
+    limit = 24
+    target, _, chat = tiny
+    data = past_the_rows(tmp_path, limit)
+    regen = regeneration(tmp_path, data, tiny, max_prompt_tokens=limit)
+    regen.prepare()
+    assert generate_all(regen, [target])
+    limited, reference = regenerated(regen), plain_greedy(target, chat, data)
+    assert [len(turns) for turns in limited] == [3, 1, 2]  # cut before the turn past the rows
+    assert [len(turns) for turns in reference] == [4, 2, 2]
+    for turns, full in zip(limited, reference, strict=True):
+        ids, mask = chat.encode(turns)
+        full_ids, full_mask = chat.encode(full)
+        assert len(ids) >= limit or turns == full
+        assert (ids[:limit], mask[:limit]) == (full_ids[:limit], full_mask[:limit])
+
+
+def test_a_conversation_longer_than_the_context_is_generated_up_to_the_rows(tmp_path, tiny):
+    """With train.seq_len + new tokens within the target's context no conversation is too long: the
+    one whose first prompt exceeds the context is kept without answers, and the chat JSONL export
+    leaves it out."""
+    data = past_the_rows(tmp_path, 40)  # its first turn: 80 words, past a context of 60
+    regen = regeneration(tmp_path, data, tiny, max_positions=60, max_prompt_tokens=40)
+    regen.prepare()
+    regen.check_contexts_before_generating(regen.missing())
+    assert generate_all(regen, [tiny[0]])
+    assert [[role for role, _ in turns] for turns in regenerated(regen)][1] == ["user"]
+    out = tmp_path / "regenerated.jsonl"
+    assert export_chat_jsonl(regen.index, regen.examples(), tiny[1], out) == 2
+    exported = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    assert [[m["role"] for m in messages] for messages in exported] == [
+        ["user", "assistant", "user"], ["user", "assistant"],
+    ]  # fmt: skip
+    too_close = regeneration(tmp_path / "b", data, tiny, max_positions=45, max_prompt_tokens=40)
+    with pytest.raises(DataError, match=rf"{data}:1: the conversation needs up to"):
+        too_close.check_contexts_before_generating(too_close.missing())
 
 
 def test_a_data_file_changed_in_place_during_the_regeneration_is_refused_before_its_shard_is_stored(

@@ -72,11 +72,16 @@ class RegenSettings:
     compile: bool = True
     attention: str = "auto"
     dtype: str = "float32"
+    # A turn is generated only while the conversation before it is shorter than this (the run's
+    # train.seq_len): training cuts every conversation to it, so a later turn would never be seen.
+    # None: every turn.
+    max_prompt_tokens: int | None = None
 
     def key_fields(self) -> str:
         # batch_size, batch_tokens, min_width and attention change how, not what (exactly so in
         # float32).
-        return f"{REGEN_FORMAT}|{self.max_new_tokens}|{self.engine}|{self.shard_size}|{self.dtype}"
+        fields = f"{REGEN_FORMAT}|{self.max_new_tokens}|{self.engine}|{self.shard_size}|{self.dtype}"
+        return fields if self.max_prompt_tokens is None else f"{fields}|before {self.max_prompt_tokens}"
 
 
 def file_digest(path: Path, digest=None):
@@ -612,6 +617,9 @@ class Regeneration:
                 continue
             with self.tokenizer_lock:
                 prompts = [prompt_ids(examples[i], self.chat, turn) for i in todo]
+            todo, prompts = self.turns_seen_in_training(examples, todo, prompts, turn)
+            if not todo:
+                continue
             self.check_context([conversations[i][0] for i in todo], prompts)
             with torch.no_grad():
                 answers = generate(target, prompts, self.settings, self.chat, self.pad_id, should_stop)
@@ -623,6 +631,21 @@ class Regeneration:
         return [
             {"line": line, "turns": e.turns} for (line, _), e in zip(conversations, examples, strict=True)
         ]
+
+    def turns_seen_in_training(self, examples, todo, prompts, turn):
+        """(todo, prompts) less the turns whose conversation before them already holds
+        max_prompt_tokens: those conversations end before this turn (it and every later turn are
+        left out, never generated). Their first max_prompt_tokens tokens, all a training row takes
+        of them, are the same either way."""
+        limit = self.settings.max_prompt_tokens
+        if limit is None:
+            return todo, prompts
+        header = len(self.chat.header("assistant"))
+        kept = [(i, prompt) for i, prompt in zip(todo, prompts, strict=True) if len(prompt) - header < limit]
+        for i, prompt in zip(todo, prompts, strict=True):
+            if len(prompt) - header >= limit:
+                examples[i].turns = examples[i].turns[:turn]
+        return [i for i, _ in kept], [prompt for _, prompt in kept]
 
     def check_context(self, lines: list[int], prompts: list[list[int]]) -> None:
         if self.max_positions is None:
@@ -642,10 +665,14 @@ class Regeneration:
     def check_contexts_before_generating(self, shards: list[int]) -> None:
         """Every conversation of these shards fits the target's context even if each earlier answer
         takes all max_new_tokens: checked before any generation, so a conversation that cannot fit
-        stops the run at its start, not hours in (fixing the file changes its key)."""
+        stops the run at its start, not hours in (fixing the file changes its key). A turn after
+        max_prompt_tokens is never generated, so with max_prompt_tokens + max_new_tokens within the
+        context every conversation fits, however long."""
         if self.max_positions is None:
             return
         longest_answer = self.settings.max_new_tokens
+        limit = self.settings.max_prompt_tokens
+        before_limit = limit - 1 if limit is not None else None
         header = len(self.chat.header("assistant"))
         closing = len(self.chat.end) + len(self.chat.newline)
         for shard in shards:
@@ -655,8 +682,10 @@ class Regeneration:
             for (line, _), example in zip(conversations, examples, strict=True):
                 prompt = 0
                 for role, content in example.turns:
-                    if role == "assistant" and prompt + header + longest_answer > self.max_positions:
-                        raise DataError(self.too_long(line, prompt + header))
+                    # The longest prefix that is still generated: its answers may be shorter.
+                    reached = prompt if before_limit is None else min(prompt, before_limit)
+                    if role == "assistant" and reached + header + longest_answer > self.max_positions:
+                        raise DataError(self.too_long(line, reached + header))
                     body = longest_answer if role == "assistant" else len(content)
                     prompt += len(self.chat.header(role)) + body + closing
 
@@ -762,14 +791,18 @@ def run_workers(regeneration: Regeneration, targets: list, progress: Progress, s
 
 def export_chat_jsonl(index: DataIndex, examples: ShardedExamples, tokenizer, destination: Path) -> int:
     """The regenerated data set as chat JSONL ({"messages": [...]} per line, the input's order):
-    the input's messages with every assistant turn's content replaced by the decoded answer.
-    Written atomically. Returns the number of conversations."""
+    the input's messages with every assistant turn's content replaced by the decoded answer. A
+    conversation generated only up to max_prompt_tokens ends there, and one left without an answer
+    is left out. Written atomically. Returns the number of conversations written."""
     destination.parent.mkdir(parents=True, exist_ok=True)
     tmp = destination.with_name(f".{destination.name}.{os.getpid()}.tmp")
     count = 0
     try:
         with tmp.open("w") as handle:
             for messages, row in zip(index.messages(), examples.rows(), strict=True):
+                messages = messages[: len(row["turns"])]  # ended where generation stopped (max_prompt_tokens)
+                if not any(role == "assistant" for role, _ in row["turns"]):
+                    continue
                 for message, (role, ids) in zip(messages, row["turns"], strict=True):
                     if role == "assistant":
                         message["content"] = tokenizer.decode(ids, skip_special_tokens=False)
