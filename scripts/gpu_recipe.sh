@@ -5,21 +5,26 @@
 #   data:  build the target and the chat set; regen.yml -e run=qwen3-8b (the product's regeneration
 #          stage), status.yml while it regenerates and after; the regenerated shards as one archive
 #          in $OUT (regenerated.tgz), for a second machine.
-#   train: launch.yml -e run=qwen3-8b (the token store, packed rows of 3,072 tokens, training),
-#          status.yml, stop.yml (a checkpoint), launch.yml -e resume=true, the run to its last step,
-#          status.yml, export.yml, and the export loaded by the reference dflash package
+#   train: launch.yml -e run=qwen3-8b (the rest of the regeneration, the token store, packed rows of
+#          3,072 tokens, training), status.yml, stop.yml (a checkpoint), launch.yml -e resume=true,
+#          the run to its last step, status.yml.
+#   export: export.yml, and the export loaded by the reference dflash package
 #          (scripts/dflash_reference_check.py: greedy decoding lossless, its acceptance length).
-# Usage: scripts/gpu_recipe.sh data|train|all
-# Each stage fits a device call of ten minutes (data about 7, train about 9 on one H200: most of
-# both is compiling); `all` is both in one go. A stage finds what the one before left in $RECIPE_DIR
-# (default /tmp/dflash-recipe: on a machine that stayed warm between two calls), else rebuilds the
-# target (the same weights: a fixed seed and a fixed file time, so the regeneration's key is the
-# same) and unpacks $REGENERATED (default .e2e/regenerated.tgz, carried from the data stage's $OUT).
+# Usage: scripts/gpu_recipe.sh data|train|export|all
+# Each stage fits a device call of ten minutes. On one H200 (2026-12-03, docs/PERFORMANCE.md): data
+# 7.7 min (the budget stopped it: compiling is most of it), train 8.1 min with STEPS=24, export 2.5
+# min. `all` is the three in one go. A stage finds what the one before left in $RECIPE_DIR (default
+# /tmp/dflash-recipe: a machine that stayed warm between calls, as one does when the next call
+# starts within its 30 s); train and data otherwise rebuild the target (the same weights: a fixed
+# seed and a fixed file time, so the regeneration's key is the same) and train unpacks $REGENERATED
+# (default .e2e/regenerated.tgz, carried from the data stage's $OUT). Export needs the train stage's
+# checkpoint: the same machine, still warm. Use STEPS well above the 4 steps that first progress
+# waits for, or the run ends before stop.yml reaches it (24 on one H200).
 # Every figure it prints comes from the product's own lines (the log, status, the run record).
 # Every process it starts is ended by PID, also on failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?usage: scripts/gpu_recipe.sh data|train|all}
+STAGE=${1:?usage: scripts/gpu_recipe.sh data|train|export|all}
 OUT=${OUT:-/tmp/gpu_recipe}
 RECIPE_DIR=${RECIPE_DIR:-/tmp/dflash-recipe}
 STATE=$RECIPE_DIR/state
@@ -30,7 +35,7 @@ NEW_TOKENS=${NEW_TOKENS:-256}
 # of a long-tailed set takes minutes (docs/PERFORMANCE.md), more than a short data set's decoding;
 # REGEN_COMPILE=false decodes eagerly, for an end to end within a ten-minute call.
 REGEN_COMPILE=${REGEN_COMPILE:-true}
-STEPS=${STEPS:-16}
+STEPS=${STEPS:-24}
 # How long the data stage may regenerate before it stops the run (the finished shards are kept, and
 # the train stage's launch regenerates the rest): a device call has ten minutes.
 REGEN_BUDGET_S=${REGEN_BUDGET_S:-420}
@@ -66,7 +71,7 @@ playbook() {  # playbook NAME LOG [ansible-playbook args...]
 }
 
 # The machine config (the model and data keys the recipe needs) and the run's lengths for a short
-# end to end: 16 steps, checkpoints at the stop and at the end (one kept, and the best tau's), tau on
+# end to end: STEPS steps, checkpoints at the stop and at the end (one kept, and the best tau's), tau on
 # 4 prompts.
 write_vars() {
     python3 - "$VARS" "$MODEL" "$NEW_TOKENS" "$REGEN_COMPILE" "$EXTRA_SET" <<'EOF'
@@ -172,15 +177,18 @@ stage_train() {
     grep -E "^step|^eval|^checkpoint|^done" "$log" | tail -n 14 | sed 's/^/   /'
     ls -la "$STATE/workspace/runs/qwen3-8b/checkpoints" | sed 's/^/   /'
     cp "$log" "$OUT/train_qwen3-8b.log"
+}
+
+stage_export() {
     local exports=$RECIPE_DIR/exports
     playbook export export.log -e run=qwen3-8b -e "dest=$exports"
     grep -E "export|drafter|step" "$OUT/export.log" | grep -v TASK | head -4 | sed 's/^/   /'
     local exported
     exported=$(find "$exports" -name config.json -printf '%h\n' | head -1)
-    say "reference check of $exported"
+    say "reference check of $exported (float32: see the check's own help)"
     python3 scripts/dflash_reference_check.py "$exported" "$MODEL/target" "$MODEL/chat.jsonl" --prompts 4 \
         --device "$BUILD_DEVICE" \
-        2>&1 | tee "$OUT/reference_check.log" | tail -n 8 | sed 's/^/   /'
+        2>&1 | grep -v "^Loading" | tee "$OUT/reference_check.log" | tail -n 8 | sed 's/^/   /'
 }
 
 write_vars
@@ -188,7 +196,8 @@ say "GPUs: $(gpus | tr '\n' ';') disk: $(df -h /tmp | tail -1)"
 case "$STAGE" in
     data) stage_data ;;
     train) stage_train ;;
-    all) stage_data; stage_train ;;
-    *) echo "usage: scripts/gpu_recipe.sh data|train|all" >&2; exit 2 ;;
+    export) stage_export ;;
+    all) stage_data; stage_train; stage_export ;;
+    *) echo "usage: scripts/gpu_recipe.sh data|train|export|all" >&2; exit 2 ;;
 esac
 say "== $STAGE done"
