@@ -7,6 +7,8 @@ tests/unit/standin.py, started through trainer_start and killed by PID at the en
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import boot_id
@@ -201,6 +203,30 @@ def test_an_output_and_the_disk_before_a_launch(tmp_path, run_module) -> None:
     assert short.result["disk"]["ok"] is False and short.result["disk"]["required_mib"] == 2**40
 
 
+def test_the_disk_needs_room_for_every_checkpoint_the_run_keeps_and_the_one_it_writes(
+    tmp_path, run_module
+) -> None:
+    """keep_checkpoints K: K newest, the best-tau one and the one being written are on disk at once;
+    room is needed for those not there yet. Every checkpoint kept (0) or K unknown: three."""
+    out = tmp_path / "runs" / "recipe"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000010.pt").write_bytes(b"x" * 2**20)
+    expected = {None: 3, 0: 3, 1: 2, 3: 4, 5: 6}
+    for keep, room in expected.items():
+        options = {} if keep is None else {"keep_checkpoints": keep}
+        disk = probe(run_module, out=str(out), steps=20, disk_path=str(tmp_path), min_free_mib=1, **options)
+        assert disk.result["disk"]["required_mib"] == room, keep  # checkpoints of 1 MiB
+    assert [run_probe.checkpoint_room(3, existing) for existing in range(7)] == [5, 4, 3, 2, 1, 1, 1]
+    free = shutil.disk_usage(tmp_path).free // 2**20
+    (out / "checkpoints" / "step_00000010.pt").unlink()
+    (out / "checkpoints" / "step_00000010.pt").write_bytes(b"")
+    os.truncate(out / "checkpoints" / "step_00000010.pt", (free // 3) * 2**20)  # sparse: no space used
+    where = {"out": str(out), "steps": 20, "disk_path": str(tmp_path), "min_free_mib": 1}
+    short = probe(run_module, **where, keep_checkpoints=3).result["disk"]
+    assert short["ok"] is False and "room for 4 more checkpoint(s)" in short["refusal"]
+    assert probe(run_module, **where, keep_checkpoints=1).result["disk"]["ok"] is True  # 2 x a third fit
+
+
 def test_gpus_without_nvidia_smi_do_not_fail(monkeypatch, tmp_path, run_module) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     result = probe(run_module, gpus=True)
@@ -315,7 +341,8 @@ def test_status_reads_the_cached_run_s_own_output_without_the_launch_s_workspace
 
 def test_the_disk_refusal_offers_only_a_way_out_that_works() -> None:
     by_checkpoints = run_probe.disk_refusal("/ws", 2000, 1024, 5000.0)
-    assert "three checkpoints of 5000.0 MiB" in by_checkpoints and "15000 MiB are needed" in by_checkpoints
+    assert "room for 3 more checkpoint(s) of 5000.0 MiB" in by_checkpoints
+    assert "15000 MiB are needed" in by_checkpoints and "train.keep_checkpoints=N" in by_checkpoints
     assert (
         "lowering it does not help" in by_checkpoints and "lower preflight_min_free_mib" not in by_checkpoints
     )

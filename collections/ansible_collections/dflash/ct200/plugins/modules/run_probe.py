@@ -83,9 +83,16 @@ options:
     type: path
   min_free_mib:
     description:
-      - With O(disk_path), the free space needed in MiB; at least three times the newest checkpoint of O(out).
+      - With O(disk_path), the free space needed in MiB; at least room for the checkpoints the run may still
+        add to O(out), each the size of its newest (see O(keep_checkpoints)).
     type: int
     default: 1024
+  keep_checkpoints:
+    description:
+      - The run's C(train.keep_checkpoints). It keeps that many and the best-tau one, and writes the next
+        before it removes the oldest, so O(out) may hold that many plus two; the disk needs room for those
+        not there yet. 0 (every checkpoint kept) or not given, room for three.
+    type: int
   wait_for:
     description: A regular expression; wait until a log line matches it.
     type: str
@@ -346,33 +353,44 @@ def output_report(out: str, steps: int | None, steps_given: bool = False) -> dic
     }
 
 
-def disk_report(path: str, min_free_mib: int, checkpoint_mib: float) -> dict:
+def checkpoint_room(keep: int | None, existing: int) -> int:
+    """Checkpoints the run may still add to its output: train.keep_checkpoints K keeps the newest K
+    and the best-tau one and writes the next before it removes the oldest, K + 2 at once; keeping
+    every one (0), or K unknown, three (a floor: such a run grows without bound)."""
+    if not keep:
+        return 3
+    return max(1, keep + 2 - existing)
+
+
+def disk_report(path: str, min_free_mib: int, checkpoint_mib: float, room: int = 3) -> dict:
     existing = path
     while existing and not os.path.exists(existing):
         existing = os.path.dirname(existing.rstrip("/")) or "/"
     info = os.statvfs(existing)
     free = info.f_bavail * info.f_frsize / 2**20
-    required = max(min_free_mib, 3 * checkpoint_mib)
+    required = max(min_free_mib, room * checkpoint_mib)
     return {
         "path": existing,
         "free_mib": round(free),
         "required_mib": round(required),
         "ok": free >= required,
-        "refusal": disk_refusal(existing, free, min_free_mib, checkpoint_mib),
+        "refusal": disk_refusal(existing, free, min_free_mib, checkpoint_mib, room),
     }
 
 
-def disk_refusal(path: str, free: float, min_free_mib: int, checkpoint_mib: float) -> str:
+def disk_refusal(path: str, free: float, min_free_mib: int, checkpoint_mib: float, room: int = 3) -> str:
     """Why the space is short and the way out that works: preflight_min_free_mib is only the floor
-    where three checkpoints need less; where they need more, lowering it changes nothing."""
-    checkpoints = 3 * checkpoint_mib
+    where the checkpoints to come need less; where they need more, lowering it changes nothing."""
+    checkpoints = room * checkpoint_mib
     have = f"{path} has {free:.0f} MiB free"
     if checkpoints > min_free_mib:
         return (
-            f"{have}, {checkpoints:.0f} MiB are needed: room for three checkpoints of "
-            f"{checkpoint_mib:.1f} MiB (the output's newest); preflight_min_free_mib="
-            f"{min_free_mib} is below that, so lowering it does not help. Free space there (a resume "
-            "needs only the newest checkpoint), or give the run an output on a larger disk"
+            f"{have}, {checkpoints:.0f} MiB are needed: room for {room} more checkpoint(s) of "
+            f"{checkpoint_mib:.1f} MiB (the output's newest; train.keep_checkpoints decides how many a "
+            f"run holds at once); preflight_min_free_mib={min_free_mib} is below that, so lowering it "
+            "does not help. Free space there (a resume needs only the newest checkpoint), keep fewer "
+            "(workspace_trainer_set: [\"train.keep_checkpoints=N\"] in the inventory), or give the run an "
+            "output on a larger disk"
         )
     sized = f"; a checkpoint of this run takes {checkpoint_mib:.1f} MiB" if checkpoint_mib else ""
     return (
@@ -543,6 +561,7 @@ def main() -> None:
             "steps_given": {"type": "bool", "default": False},
             "disk_path": {"type": "path"},
             "min_free_mib": {"type": "int", "default": 1024},
+            "keep_checkpoints": {"type": "int"},
         },
         supports_check_mode=True,
     )
@@ -559,8 +578,10 @@ def main() -> None:
     if params["out"]:
         result["output"] = output_report(params["out"], params["steps"], params["steps_given"])
     if params["disk_path"]:
-        checkpoint_mib = result["output"]["checkpoint_mib"] if params["out"] else 0
-        result["disk"] = disk_report(params["disk_path"], params["min_free_mib"], checkpoint_mib)
+        output = result["output"] if params["out"] else {"checkpoint_mib": 0, "checkpoints": 0}
+        room = checkpoint_room(params["keep_checkpoints"], output["checkpoints"])
+        mib = output["checkpoint_mib"]
+        result["disk"] = disk_report(params["disk_path"], params["min_free_mib"], mib, room)
     if module.params["gpus"]:
         params = module.params
         result["gpu"] = gpu_report(module, params["max_memory_mib"], params["max_utilization_pct"])
