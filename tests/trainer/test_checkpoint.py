@@ -181,3 +181,56 @@ def test_a_resumed_launch_records_the_stretches_so_far_from_its_start(tmp_path, 
     record = read_record(out)
     assert record["state"] == "running"
     assert record.get("stretches") == (stretches if resume else None)
+
+
+def _large_state():
+    """Tensors of 4 MiB: torch.save writes each in one piece, hashed on the second thread."""
+    return {"step": 9, "weights": [torch.arange(1 << 20, dtype=torch.float32) + i for i in range(3)]}
+
+
+def test_large_writes_are_hashed_beside_the_write_and_the_header_names_their_sha256(tmp_path):
+    path = save_checkpoint(tmp_path, 9, _large_state())
+    payload = path.read_bytes().split(b"\n", 3)[3]
+    assert len(payload) > 12 << 20
+    assert header_digest(path) == hashlib.sha256(payload).hexdigest()
+    loaded = load_checkpoint(path)
+    assert all(torch.equal(a, b) for a, b in zip(loaded["weights"], _large_state()["weights"], strict=True))
+
+
+def test_a_full_disk_during_a_large_write_leaves_no_file_and_no_hashing_thread(tmp_path, monkeypatch):
+    import errno
+    import pathlib
+    import threading
+
+    from trainer.run.checkpoint import CheckpointWriteError
+
+    opened = pathlib.Path.open
+
+    class FillsAfter4MiB:
+        def __init__(self, handle):
+            self.handle, self.written = handle, 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 4 << 20:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.handle.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    def open_filling(self, mode="r", *args, **kwargs):
+        handle = opened(self, mode, *args, **kwargs)
+        return FillsAfter4MiB(handle) if "w" in mode and self.name.endswith(".tmp") else handle
+
+    monkeypatch.setattr(pathlib.Path, "open", open_filling)
+    with pytest.raises(CheckpointWriteError, match="No space left on device"):
+        save_checkpoint(tmp_path, 9, _large_state())
+    assert list(tmp_path.iterdir()) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-hash")]

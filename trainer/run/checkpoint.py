@@ -20,6 +20,7 @@ import hashlib
 import io
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -64,20 +65,33 @@ class CheckpointWriteError(Exception):
 
 
 class HashingWriter:
-    """A file for torch.save: every byte written goes to the file and into the SHA-256."""
+    """A file for torch.save: every byte written goes to the file and into the SHA-256. A large
+    write is hashed on a second thread while this one writes it (both let go of the GIL), so a
+    checkpoint costs the longer of the two, not their sum (SHA-256 runs at 1-2 GB/s: 6-12 s of a
+    12.6 GB checkpoint)."""
 
-    def __init__(self, handle):
+    OVERLAP_BYTES = 1 << 20  # smaller writes (zip records, pickled metadata) are hashed in line
+
+    def __init__(self, handle, hasher: ThreadPoolExecutor | None = None):
         self.handle, self.sha256, self.length = handle, hashlib.sha256(), 0
+        self.hasher = hasher
         self.error: OSError | None = None
 
     def write(self, data) -> int:
-        self.sha256.update(data)
         self.length += len(data)
+        hashed = None
+        if self.hasher is not None and len(data) >= self.OVERLAP_BYTES:
+            hashed = self.hasher.submit(self.sha256.update, data)
+        else:
+            self.sha256.update(data)
         try:
             return self.handle.write(data)
         except OSError as exc:  # torch's zip writer hides it behind its own RuntimeError
             self.error = exc
             raise
+        finally:
+            if hashed is not None:
+                hashed.result()  # the buffer is torch's again once write returns
 
     def flush(self) -> None:
         self.handle.flush()
@@ -94,9 +108,9 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any]) -> Path:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         remove_partial_writes(directory)
-        with tmp.open("wb") as handle:
+        with tmp.open("wb") as handle, ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as hasher:
             handle.write(placeholder)
-            writer = HashingWriter(handle)
+            writer = HashingWriter(handle, hasher)
             try:
                 torch.save(state, writer)
             except RuntimeError:

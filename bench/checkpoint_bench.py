@@ -1,0 +1,82 @@
+"""Checkpoint write: the product's writer (torch.save streamed to disk, SHA-256 on a second thread)
+against the same writer hashing in line, and the disk's own rate for as many bytes, side by side.
+
+    python bench/checkpoint_bench.py [--gib 1.5] [--repeats 2] [--dir /tmp/checkpoint-bench] [--device cuda]
+
+The state is float32 tensors of 64 Mi elements (a drafter's weights and moments are of that order:
+12.6 GB at the Qwen3-8B recipe's shape), on --device (cuda: torch.save copies each to the host as
+it writes). After one write to warm up, the variants take turns going first (a write right after
+another is often faster or slower than one after a pause), so that spreads over both rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.run import checkpoint
+
+
+def raw_write(directory: Path, size: int) -> float:
+    """The same bytes written and fsync'ed, no serializing or hashing: the disk's bound."""
+    block = bytes(64 << 20)
+    began = time.monotonic()
+    with (directory / "raw").open("wb") as handle:
+        for _ in range(size // len(block)):
+            handle.write(block)
+        handle.flush()
+        os.fsync(handle.fileno())
+    took = time.monotonic() - began
+    (directory / "raw").unlink()
+    return took
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=float, default=1.5)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dir", default="/tmp/checkpoint-bench")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    tensors = max(1, round(args.gib * 2**30 / (4 * 2**26)))
+    state = {"weights": [torch.randn(2**26, device=args.device) for _ in range(tensors)]}
+    directory = Path(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    overlapped = checkpoint.HashingWriter.OVERLAP_BYTES
+    rows: dict[str, list[float]] = {"hash on a second thread": [], "hash in line": [], "disk alone": []}
+    size = 0
+    try:
+        variants = [("hash on a second thread", overlapped), ("hash in line", 1 << 62)]
+        checkpoint.save_checkpoint(directory, 0, state).unlink()  # a first write warms the file system
+        for repeat in range(args.repeats):
+            # Each variant goes first in every other repeat: the write after another differs.
+            for name, overlap in variants if repeat % 2 == 0 else variants[::-1]:
+                checkpoint.HashingWriter.OVERLAP_BYTES = overlap
+                began = time.monotonic()
+                path = checkpoint.save_checkpoint(directory, repeat, state)
+                rows[name].append(time.monotonic() - began)
+                size = path.stat().st_size
+                path.unlink()
+            rows["disk alone"].append(raw_write(directory, size))
+    finally:
+        checkpoint.HashingWriter.OVERLAP_BYTES = overlapped
+        shutil.rmtree(directory, ignore_errors=True)
+    print(f"torch {torch.__version__}, {tensors} tensors on {args.device}, checkpoint {size / 1e9:.2f} GB")
+    for name, times in rows.items():
+        median = statistics.median(times)
+        runs = ", ".join(f"{took:.2f}" for took in times)
+        print(f"{name:>24}: median {median:6.2f} s ({size / 1e9 / median:.2f} GB/s), runs {runs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
