@@ -1,0 +1,95 @@
+"""What regenerating a chat data set costs in decode passes, with and without leaving out the turns a
+training row never sees (data.regen's max_prompt_tokens = train.seq_len), on the CPU, no target.
+
+    python bench/regen_layout_bench.py CHAT_JSONL TOKENIZER_DIR [--seq-len 3072] [--new-tokens 256]
+
+The data set is read, tokenized and cut into shards as the product does (data.regen_shard_size),
+and each shard's turns are laid out in the static engine's batches (trainer.data.regen's
+static_batches at the product's defaults, flex attention's 128-token minimum width). A batch costs
+a decode step per new token whatever its rows, so batches x new tokens is the decoding's length;
+prompt tokens are the prefill's work. Each earlier answer is counted at min(its original length,
+new tokens), as a regenerated one would be at most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.config import FLEX_MIN_LEN, DataConfig
+from trainer.data.chat import ChatFormat, prompt_ids, tokenize_stream
+from trainer.data.regen import DataIndex, RegenSettings, static_batches
+from trainer.model.target import load_tokenizer
+
+
+def shard_prompts(examples, chat, new_tokens: int, limit: int | None):
+    """Each round's prompts (turn by turn), answers cut to new_tokens; turns past limit left out."""
+    header = len(chat.header("assistant"))
+    rounds, dropped = [], 0
+    for turn in range(max(len(e.turns) for e in examples)):
+        prompts = []
+        for example in examples:
+            if len(example.turns) <= turn or example.turns[turn][0] != "assistant":
+                continue
+            prompt = prompt_ids(example, chat, turn)
+            if limit is not None and len(prompt) - header >= limit:
+                dropped += sum(role == "assistant" for role, _ in example.turns[turn:])
+                del example.turns[turn:]
+                continue
+            example.turns[turn] = ("assistant", example.turns[turn][1][:new_tokens])
+            prompts.append(prompt)
+        rounds.append(prompts)
+    return rounds, dropped
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("chat_file")
+    parser.add_argument("tokenizer_dir")
+    parser.add_argument("--seq-len", type=int, default=3072)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--conversations", type=int, help="only the first N")
+    args = parser.parse_args()
+    d = DataConfig()
+    settings = RegenSettings(
+        max_new_tokens=args.new_tokens, batch_size=d.regen_batch_size, batch_tokens=d.regen_batch_tokens,
+        min_width=max(d.regen_min_width, FLEX_MIN_LEN),
+    )  # fmt: skip
+    chat = ChatFormat(load_tokenizer(Path(args.tokenizer_dir)))
+    began = time.monotonic()
+    index = DataIndex.build(Path(args.chat_file))
+    total = min(len(index), args.conversations or len(index))
+    indexed = time.monotonic() - began
+    print(f"{total:,} conversations indexed in {indexed:.0f} s; shards of {d.regen_shard_size}")
+    figures = {None: [0, 0, 0, 0], args.seq_len: [0, 0, 0, 0]}  # turns, dropped, prompt tokens, batches
+    for start in range(0, total, d.regen_shard_size):
+        conversations = index.read(start, min(start + d.regen_shard_size, total))
+        examples = list(tokenize_stream((m for _, m in conversations), chat))
+        for limit, counts in figures.items():
+            copies = [type(e)(list(e.turns)) for e in examples]
+            rounds, dropped = shard_prompts(copies, chat, args.new_tokens, limit)
+            counts[0] += sum(map(len, rounds))
+            counts[1] += dropped
+            counts[2] += sum(len(p) for prompts in rounds for p in prompts)
+            counts[3] += sum(len(list(static_batches(prompts, settings))) for prompts in rounds if prompts)
+    print(f"read and laid out in {time.monotonic() - began:.0f} s")
+    every, seen = figures[None], figures[args.seq_len]
+    for name, counts in (("every turn", every), (f"turns before {args.seq_len} tokens", seen)):
+        print(
+            f"{name:>28}: {counts[0]:>9,} turns generated ({counts[1]:,} left out), "
+            f"{counts[2]:>13,} prompt tokens, {counts[3]:>7,} batches = "
+            f"{counts[3] * args.new_tokens:>10,} decode steps"
+        )
+    print(
+        f"left out: {1 - seen[0] / every[0]:.2%} of turns, {1 - seen[2] / every[2]:.2%} of prompt tokens, "
+        f"{1 - seen[3] / every[3]:.2%} of decode steps"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
