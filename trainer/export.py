@@ -34,11 +34,10 @@ from .config import Config, config_from_dict
 from .data.embedded import embedded_dir
 from .run.checkpoint import (
     CheckpointError,
-    checkpoint_from_bytes,
     checkpoint_path,
     list_checkpoints,
     read_checkpoint_bytes,
-    split_checkpoint,
+    verified_checkpoint,
 )
 from .run.runrecord import jsonl_rows
 
@@ -96,8 +95,7 @@ def read_source(step: int, path: Path) -> Source:
 
     try:
         raw = read_checkpoint_bytes(path)
-        digest, _ = split_checkpoint(raw, path)
-        state = checkpoint_from_bytes(raw, path, digest)
+        digest, state = verified_checkpoint(raw, path)
         del raw
     except CheckpointError as exc:
         raise ExportError(f"{exc}; pick another step with --step") from None

@@ -234,3 +234,13 @@ def test_a_full_disk_during_a_large_write_leaves_no_file_and_no_hashing_thread(t
         save_checkpoint(tmp_path, 9, _large_state())
     assert list(tmp_path.iterdir()) == []
     assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-hash")]
+
+
+def test_a_header_with_an_unpadded_length_reads_as_before(tmp_path):
+    """Checkpoints whose header gives the payload length without leading zeros load the same."""
+    path = save_checkpoint(tmp_path, 7, _state())
+    magic, digest, length, payload = path.read_bytes().split(b"\n", 3)
+    assert length.startswith(b"0")
+    path.write_bytes(b"\n".join([magic, digest, str(int(length)).encode(), payload]))
+    assert torch.equal(load_checkpoint(path)["weights"], _state()["weights"])
+    assert header_digest(path) == digest.decode()

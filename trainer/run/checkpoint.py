@@ -178,15 +178,21 @@ def read_checkpoint_bytes(path: Path) -> bytes:
         raise CheckpointError(f"checkpoint {path} cannot be read: {exc}") from None
 
 
-def split_checkpoint(raw: bytes, origin: object) -> tuple[str, bytes]:
-    """(the SHA-256 hex digest the header names, the payload), both verified: magic, length, checksum."""
+HEADER_MAX = len(MAGIC) + 64 + 1 + LENGTH_DIGITS + 1
+
+
+def split_checkpoint(raw: bytes, origin: object) -> tuple[str, memoryview]:
+    """(the SHA-256 hex digest the header names, the payload), both verified: magic, length, checksum.
+    The payload is a view into `raw`, not a copy: at the Qwen3-8B recipe's shape each copy is 12.6 GB
+    of host memory, on every rank that loads one."""
     if not raw.startswith(MAGIC):
         raise CheckpointError(f"checkpoint {origin} is not a trainer checkpoint (bad header)")
     try:
-        digest, length, payload = raw[len(MAGIC) :].split(b"\n", 2)
+        digest, length, _ = raw[len(MAGIC) : HEADER_MAX].split(b"\n", 2)
         expected_length = int(length)
     except ValueError:
         raise CheckpointError(f"checkpoint {origin} has a damaged header") from None
+    payload = memoryview(raw)[len(MAGIC) + len(digest) + len(length) + 2 :]
     if len(payload) != expected_length:
         raise CheckpointError(
             f"checkpoint {origin} is truncated ({len(payload)} of {expected_length} payload bytes)"
@@ -196,15 +202,50 @@ def split_checkpoint(raw: bytes, origin: object) -> tuple[str, bytes]:
     return digest.decode(), payload
 
 
+class ViewReader(io.RawIOBase):
+    """A seekable, read-only file over a memoryview, for torch.load: io.BytesIO would copy it."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self.view, self.position = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: len(self.view)}[whence]
+        self.position = max(0, base + offset)
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        count = max(0, min(len(buffer), len(self.view) - self.position))
+        buffer[:count] = self.view[self.position : self.position + count]
+        self.position += count
+        return count
+
+
 def checkpoint_from_bytes(raw: bytes, origin: object, digest: str | None = None) -> dict[str, Any]:
     """The state in a checkpoint's bytes (read from a file or received from another rank), verified;
     `digest`: the payload SHA-256 it must have (the header's is checked against the payload anyway)."""
+    return verified_checkpoint(raw, origin, digest)[1]
+
+
+def verified_checkpoint(raw: bytes, origin: object, digest: str | None = None) -> tuple[str, dict[str, Any]]:
+    """(the payload's SHA-256, the state): checkpoint_from_bytes, with the digest it verified (the
+    payload is hashed once: 6-12 s at the Qwen3-8B recipe's shape)."""
     found, payload = split_checkpoint(raw, origin)
     if digest is not None and found != digest:
         raise CheckpointError(
             f"checkpoint {origin} is another checkpoint (SHA-256 {found}, expected {digest})"
         )
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    with ViewReader(payload) as reader:
+        return found, torch.load(reader, map_location="cpu", weights_only=True)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from .checkpoint import (
     list_checkpoints,
     load_checkpoint,
     read_checkpoint_bytes,
-    split_checkpoint,
+    verified_checkpoint,
 )
 
 CHECKPOINT_FORMAT = 1
@@ -235,8 +235,7 @@ def _rank0_choice(directory: Path, world):
             path = checkpoints[-1][1]
             try:
                 raw = read_checkpoint_bytes(path)
-                digest, _ = split_checkpoint(raw, path)
-                state = checkpoint_from_bytes(raw, path, digest)
+                digest, state = verified_checkpoint(raw, path)
                 chosen = (path.name, str(path), digest)
             except CheckpointError as exc:
                 problem = f"{exc}; move it aside to resume from the one before it"
