@@ -1,5 +1,7 @@
 """Checkpoint write: the product's writer (torch.save streamed to disk, SHA-256 on a second thread)
-against the same writer hashing in line, and the disk's own rate for as many bytes, side by side.
+against the same writer hashing in line, and the disk's own rate for as many bytes, side by side;
+then a load in a fresh process each way: the product's (the payload a view of the file's bytes) and
+with the payload copied out of them as a slice (what the loader did before), time and peak RSS.
 
     python bench/checkpoint_bench.py [--gib 1.5] [--repeats 2] [--dir /tmp/checkpoint-bench] [--device cuda]
 
@@ -12,9 +14,13 @@ another is often faster or slower than one after a pause), so that spreads over 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import os
+import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +46,40 @@ def raw_write(directory: Path, size: int) -> float:
     return took
 
 
+def load_in_this_process(how: str, path: str) -> None:
+    """One load of `path`, then its time and this process's peak RSS as one line."""
+    began = time.monotonic()
+    if how == "view":
+        state = checkpoint.load_checkpoint(Path(path))
+    else:  # the payload sliced out of the file's bytes, as the loader did before
+        raw = checkpoint.read_checkpoint_bytes(Path(path))
+        digest, length, payload = raw[len(checkpoint.MAGIC) :].split(b"\n", 2)
+        assert len(payload) == int(length) and hashlib.sha256(payload).hexdigest().encode() == digest
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    took = time.monotonic() - began
+    assert state["weights"]
+    print(f"{took:.2f} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f}")
+
+
+def load_rows(directory: Path, state: dict, repeats: int) -> None:
+    path = checkpoint.save_checkpoint(directory, 1, {"weights": [t.cpu() for t in state["weights"]]})
+    size = path.stat().st_size / 1e9
+    for how, name in (("view", "the payload a view"), ("copy", "the payload a copy")):
+        child = [sys.executable, __file__, "--load-child", how, str(path)]
+        runs = []
+        for _ in range(repeats):
+            runs.append(subprocess.run(child, check=True, capture_output=True, text=True).stdout.split())
+        seconds = statistics.median(float(took) for took, _ in runs)
+        peak = max(float(rss) for _, rss in runs)
+        label = f"load, {name}"
+        print(f"{label:>24}: median {seconds:6.2f} s, peak RSS {peak:.2f} GiB ({peak / size:.1f}x the file)")
+    path.unlink()
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--load-child"]:
+        load_in_this_process(sys.argv[2], sys.argv[3])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=1.5)
     parser.add_argument("--repeats", type=int, default=2)
@@ -67,14 +106,17 @@ def main() -> int:
                 size = path.stat().st_size
                 path.unlink()
             rows["disk alone"].append(raw_write(directory, size))
+        checkpoint.HashingWriter.OVERLAP_BYTES = overlapped
+        where = f"{tensors} tensors on {args.device}"
+        print(f"torch {torch.__version__}, {where}, checkpoint {size / 1e9:.2f} GB")
+        for name, times in rows.items():
+            median = statistics.median(times)
+            runs = ", ".join(f"{took:.2f}" for took in times)
+            print(f"{name:>24}: median {median:6.2f} s ({size / 1e9 / median:.2f} GB/s), runs {runs}")
+        load_rows(directory, state, args.repeats)
     finally:
         checkpoint.HashingWriter.OVERLAP_BYTES = overlapped
         shutil.rmtree(directory, ignore_errors=True)
-    print(f"torch {torch.__version__}, {tensors} tensors on {args.device}, checkpoint {size / 1e9:.2f} GB")
-    for name, times in rows.items():
-        median = statistics.median(times)
-        runs = ", ".join(f"{took:.2f}" for took in times)
-        print(f"{name:>24}: median {median:6.2f} s ({size / 1e9 / median:.2f} GB/s), runs {runs}")
     return 0
 
 
