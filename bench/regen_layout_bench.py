@@ -22,28 +22,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import FLEX_MIN_LEN, DataConfig
 from trainer.data.chat import ChatFormat, prompt_ids, tokenize_stream
-from trainer.data.regen import DataIndex, RegenSettings, static_batches
+from trainer.data.regen import DataIndex, RegenSettings, static_batches, turns_seen_in_training
 from trainer.model.target import load_tokenizer
 
 
 def shard_prompts(examples, chat, new_tokens: int, limit: int | None):
-    """Each round's prompts (turn by turn), answers cut to new_tokens; turns past limit left out."""
+    """Each round's prompts (turn by turn), answers cut to new_tokens; turns past limit left out as
+    the product leaves them out (turns_seen_in_training). Returns (rounds, turns left out)."""
     header = len(chat.header("assistant"))
-    rounds, dropped = [], 0
+    answers = sum(role == "assistant" for example in examples for role, _ in example.turns)
+    rounds = []
     for turn in range(max(len(e.turns) for e in examples)):
-        prompts = []
-        for example in examples:
-            if len(example.turns) <= turn or example.turns[turn][0] != "assistant":
-                continue
-            prompt = prompt_ids(example, chat, turn)
-            if limit is not None and len(prompt) - header >= limit:
-                dropped += sum(role == "assistant" for role, _ in example.turns[turn:])
-                del example.turns[turn:]
-                continue
-            example.turns[turn] = ("assistant", example.turns[turn][1][:new_tokens])
-            prompts.append(prompt)
+        todo = [i for i, e in enumerate(examples) if len(e.turns) > turn and e.turns[turn][0] == "assistant"]
+        prompts = [prompt_ids(examples[i], chat, turn) for i in todo]
+        todo, prompts = turns_seen_in_training(examples, todo, prompts, turn, header, limit)
+        for i in todo:
+            examples[i].turns[turn] = ("assistant", examples[i].turns[turn][1][:new_tokens])
         rounds.append(prompts)
-    return rounds, dropped
+    return rounds, answers - sum(map(len, rounds))
 
 
 def main() -> int:

@@ -403,6 +403,23 @@ def cpu_cache_config(prompts, max_new_tokens: int):
 GENERATORS = {"static": static_generate, "continuous": continuous_generate}
 
 
+def turns_seen_in_training(examples, todo, prompts, turn, header: int, limit: int | None):
+    """(todo, prompts) less the turns whose conversation before them (the prompt less its `header`
+    tokens) already holds `limit` tokens: those conversations end before this turn (it and every
+    later turn are left out, never generated). Their first `limit` tokens, all a training row takes
+    of them, are the same either way. None: every turn."""
+    if limit is None:
+        return todo, prompts
+    kept_todo, kept_prompts = [], []
+    for i, prompt in zip(todo, prompts, strict=True):
+        if len(prompt) - header >= limit:
+            examples[i].turns = examples[i].turns[:turn]
+        else:
+            kept_todo.append(i)
+            kept_prompts.append(prompt)
+    return kept_todo, kept_prompts
+
+
 class ShardDamaged(DataError):
     """A shard's contents do not match the checksum written with it."""
 
@@ -609,6 +626,7 @@ class Regeneration:
         with self.tokenizer_lock:
             examples = list(tokenize_stream((messages for _, messages in conversations), self.chat))
         generate = GENERATORS[self.settings.engine]
+        header, limit = len(self.chat.header("assistant")), self.settings.max_prompt_tokens
         for turn in range(max(len(e.turns) for e in examples)):
             todo = [
                 i for i, e in enumerate(examples) if len(e.turns) > turn and e.turns[turn][0] == "assistant"
@@ -617,7 +635,7 @@ class Regeneration:
                 continue
             with self.tokenizer_lock:
                 prompts = [prompt_ids(examples[i], self.chat, turn) for i in todo]
-            todo, prompts = self.turns_seen_in_training(examples, todo, prompts, turn)
+            todo, prompts = turns_seen_in_training(examples, todo, prompts, turn, header, limit)
             if not todo:
                 continue
             self.check_context([conversations[i][0] for i in todo], prompts)
@@ -631,21 +649,6 @@ class Regeneration:
         return [
             {"line": line, "turns": e.turns} for (line, _), e in zip(conversations, examples, strict=True)
         ]
-
-    def turns_seen_in_training(self, examples, todo, prompts, turn):
-        """(todo, prompts) less the turns whose conversation before them already holds
-        max_prompt_tokens: those conversations end before this turn (it and every later turn are
-        left out, never generated). Their first max_prompt_tokens tokens, all a training row takes
-        of them, are the same either way."""
-        limit = self.settings.max_prompt_tokens
-        if limit is None:
-            return todo, prompts
-        header = len(self.chat.header("assistant"))
-        kept = [(i, prompt) for i, prompt in zip(todo, prompts, strict=True) if len(prompt) - header < limit]
-        for i, prompt in zip(todo, prompts, strict=True):
-            if len(prompt) - header >= limit:
-                examples[i].turns = examples[i].turns[:turn]
-        return [i for i, _ in kept], [prompt for _, prompt in kept]
 
     def check_context(self, lines: list[int], prompts: list[list[int]]) -> None:
         if self.max_positions is None:
@@ -672,7 +675,6 @@ class Regeneration:
             return
         longest_answer = self.settings.max_new_tokens
         limit = self.settings.max_prompt_tokens
-        before_limit = limit - 1 if limit is not None else None
         header = len(self.chat.header("assistant"))
         closing = len(self.chat.end) + len(self.chat.newline)
         for shard in shards:
@@ -683,7 +685,7 @@ class Regeneration:
                 prompt = 0
                 for role, content in example.turns:
                     # The longest prefix that is still generated: its answers may be shorter.
-                    reached = prompt if before_limit is None else min(prompt, before_limit)
+                    reached = prompt if limit is None else min(prompt, limit - 1)
                     if role == "assistant" and reached + header + longest_answer > self.max_positions:
                         raise DataError(self.too_long(line, reached + header))
                     body = longest_answer if role == "assistant" else len(content)
