@@ -1,14 +1,17 @@
-"""Checkpoint write: the product's writer (torch.save streamed to disk, SHA-256 on a second thread)
-against the same writer hashing in line, and the disk's own rate for as many bytes, side by side;
-then a load in a fresh process each way: the product's (the payload a view of the file's bytes) and
-with the payload copied out of them as a slice (what the loader did before), time and peak RSS.
+"""Checkpoint write: the product's writer (the state copied into host buffers kept from the last
+checkpoint, then torch.save streamed to disk, SHA-256 on a second thread) against the same writer
+hashing in line, and the disk's own rate for as many bytes, side by side; on a GPU also the copy
+into fresh pinned buffers (a run's first checkpoint), into reused pageable ones, and torch.save
+straight from the device. Then a load in a fresh process each way: the product's (the payload a
+view of the file's bytes) and with the payload copied out of them as a slice (what the loader did
+before), time and peak RSS.
 
-    python bench/checkpoint_bench.py [--gib 1.5] [--repeats 2] [--dir /tmp/checkpoint-bench] [--device cuda]
+    python bench/checkpoint_bench.py [--gib 1.5] [--repeats 2] [--dir DIR] [--device cuda] [--no-load]
 
 The state is float32 tensors of 64 Mi elements (a drafter's weights and moments are of that order:
-12.6 GB at the Qwen3-8B recipe's shape), on --device (cuda: torch.save copies each to the host as
-it writes). After one write to warm up, the variants take turns going first (a write right after
-another is often faster or slower than one after a pause), so that spreads over both rows.
+12.6 GB at the Qwen3-8B recipe's shape), on --device. After one write to warm up, the variants take
+turns going first (a write right after another is often faster or slower than one after a pause),
+so that spreads over the rows.
 """
 
 from __future__ import annotations
@@ -76,6 +79,28 @@ def load_rows(directory: Path, state: dict, repeats: int) -> None:
     path.unlink()
 
 
+def write_variants(state: dict, device: str) -> dict:
+    """name -> (repeat -> (the host staging to copy through or None, the writer's overlap size)).
+    The reused stagings copy once here (a run's first checkpoint); on a CPU the state is on the
+    host already and staging copies nothing."""
+    overlapped, in_line = checkpoint.HashingWriter.OVERLAP_BYTES, 1 << 62
+    kept = checkpoint.HostStaging(pin=True)
+    kept.to_host(state)
+    variants = {
+        "the product (pinned staging, reused)": lambda repeat: (kept, overlapped),
+        "hash in line": lambda repeat: (kept, in_line),
+    }
+    if device != "cpu":
+        pageable = checkpoint.HostStaging(pin=False)
+        pageable.to_host(state)
+        variants |= {
+            "pinned staging, fresh buffers": lambda repeat: (checkpoint.HostStaging(), overlapped),
+            "pageable staging, reused": lambda repeat: (pageable, overlapped),
+            "torch.save from the device": lambda repeat: (None, overlapped),
+        }
+    return variants
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--load-child"]:
         load_in_this_process(sys.argv[2], sys.argv[3])
@@ -85,35 +110,42 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", default="/tmp/checkpoint-bench")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-load", action="store_true", help="the write rows only")
     args = parser.parse_args()
     tensors = max(1, round(args.gib * 2**30 / (4 * 2**26)))
     state = {"weights": [torch.randn(2**26, device=args.device) for _ in range(tensors)]}
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
-    overlapped = checkpoint.HashingWriter.OVERLAP_BYTES
-    rows: dict[str, list[float]] = {"hash on a second thread": [], "hash in line": [], "disk alone": []}
+    variants = write_variants(state, args.device)
+    rows: dict[str, list[float]] = {name: [] for name in [*variants, "disk alone"]}
+    copies: dict[str, list[float]] = {name: [] for name in variants}
     size = 0
+    overlapped = checkpoint.HashingWriter.OVERLAP_BYTES
     try:
-        variants = [("hash on a second thread", overlapped), ("hash in line", 1 << 62)]
         checkpoint.save_checkpoint(directory, 0, state).unlink()  # a first write warms the file system
         for repeat in range(args.repeats):
             # Each variant goes first in every other repeat: the write after another differs.
-            for name, overlap in variants if repeat % 2 == 0 else variants[::-1]:
+            for name in list(variants) if repeat % 2 == 0 else list(variants)[::-1]:
+                staging, overlap = variants[name](repeat)
                 checkpoint.HashingWriter.OVERLAP_BYTES = overlap
                 began = time.monotonic()
-                path = checkpoint.save_checkpoint(directory, repeat, state)
+                staged = staging.to_host(state) if staging else state
+                copies[name].append(time.monotonic() - began)
+                path = checkpoint.save_checkpoint(directory, repeat, staged)
                 rows[name].append(time.monotonic() - began)
+                checkpoint.HashingWriter.OVERLAP_BYTES = overlapped
                 size = path.stat().st_size
                 path.unlink()
             rows["disk alone"].append(raw_write(directory, size))
-        checkpoint.HashingWriter.OVERLAP_BYTES = overlapped
         where = f"{tensors} tensors on {args.device}"
         print(f"torch {torch.__version__}, {where}, checkpoint {size / 1e9:.2f} GB")
         for name, times in rows.items():
             median = statistics.median(times)
             runs = ", ".join(f"{took:.2f}" for took in times)
-            print(f"{name:>24}: median {median:6.2f} s ({size / 1e9 / median:.2f} GB/s), runs {runs}")
-        load_rows(directory, state, args.repeats)
+            copied = f"; the host copy {statistics.median(copies[name]):.2f} s" if copies.get(name) else ""
+            print(f"{name:>36}: median {median:6.2f} s ({size / 1e9 / median:.2f} GB/s){copied}, runs {runs}")
+        if not args.no_load:
+            load_rows(directory, state, args.repeats)
     finally:
         checkpoint.HashingWriter.OVERLAP_BYTES = overlapped
         shutil.rmtree(directory, ignore_errors=True)

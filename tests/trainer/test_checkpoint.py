@@ -10,6 +10,7 @@ import torch
 from trainer.cli import main
 from trainer.run.checkpoint import (
     CheckpointError,
+    HostStaging,
     checkpoint_from_bytes,
     header_digest,
     list_checkpoints,
@@ -244,3 +245,41 @@ def test_a_header_with_an_unpadded_length_reads_as_before(tmp_path):
     path.write_bytes(b"\n".join([magic, digest, str(int(length)).encode(), payload]))
     assert torch.equal(load_checkpoint(path)["weights"], _state()["weights"])
     assert header_digest(path) == digest.decode()
+
+
+def test_host_staging_leaves_a_host_state_as_it_is():
+    state = {"step": 3, "weights": [torch.ones(4)], "moments": (torch.zeros(2),)}
+    staged = HostStaging().to_host(state)
+    assert staged["step"] == 3 and staged["weights"][0] is state["weights"][0]
+    assert isinstance(staged["moments"], tuple) and staged["moments"][0] is state["moments"][0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
+@pytest.mark.parametrize("pin", [True, False])
+def test_host_staging_copies_device_tensors_into_buffers_the_next_checkpoint_reuses(tmp_path, pin):
+    staging = HostStaging(pin=pin)
+    weights = torch.randn(64, 32, device="cuda")
+    state = {"step": 1, "drafter": {"w": weights, "b": torch.arange(5, device="cuda")}, "cpu": torch.ones(2)}
+    first = staging.to_host(state)
+    assert first["drafter"]["w"].device.type == "cpu" and torch.equal(first["drafter"]["w"], weights.cpu())
+    assert first["drafter"]["w"].is_pinned() == pin and first["cpu"] is state["cpu"]
+    weights.add_(1)  # the next checkpoint's values go into the same buffers
+    second = staging.to_host(state)
+    assert second["drafter"]["w"].data_ptr() == first["drafter"]["w"].data_ptr()
+    assert torch.equal(second["drafter"]["w"], weights.cpu())
+    loaded = load_checkpoint(save_checkpoint(tmp_path, 2, second))
+    assert torch.equal(loaded["drafter"]["w"], weights.cpu())
+    assert torch.equal(loaded["drafter"]["b"], torch.arange(5))
+    other = staging.to_host({"drafter": {"w": torch.zeros(3, device="cuda")}})  # another shape: a new buffer
+    assert torch.equal(other["drafter"]["w"], torch.zeros(3)) and len(staging.buffers) == 1
+
+
+def test_host_staging_without_room_for_the_copy_hands_back_the_state_as_it_is(monkeypatch):
+    def no_room(self, index, like):
+        raise RuntimeError("CUDA error: out of memory (pinned host memory)")
+
+    monkeypatch.setattr(HostStaging, "buffer", no_room)
+    staging = HostStaging()
+    staging.buffers.append(torch.zeros(1))  # the last checkpoint's: let go, so the host gets it back
+    state = {"drafter": {"w": torch.empty(4, device="meta")}, "step": 2}
+    assert staging.to_host(state) is state and staging.buffers == []

@@ -39,7 +39,7 @@ from ..parallel.replica import Replica, StepLoss
 from ..parallel.sharding import wait_for_parameters
 from ..parallel.topology import ThreadedTopology, ThreadedWorld
 from . import runrecord
-from .checkpoint import prune_checkpoints, save_checkpoint
+from .checkpoint import HostStaging, prune_checkpoints, save_checkpoint
 from .environment import resolve_devices
 from .recompiles import RecompileWatch
 from .regen import DataSource, Engines, prepare_data
@@ -349,6 +349,7 @@ class Run:
         self.new_best = False  # the evaluation of this step gave the best tau so far
         self.last_save = time.monotonic()  # for train.checkpoint_every_s
         self.stretches: list[dict] = []
+        self.staging = HostStaging()  # rank 0's host copy of a checkpoint, reused by the next one
 
     def restore(self, resume_from: ResumePoint | None, shape: Shape) -> int:
         """The step to start from: 0, or the checkpoint's (its state restored everywhere, on this
@@ -403,7 +404,9 @@ class Run:
         began = time.monotonic()
         state = checkpoint_state(step, self.cfg, self.topology, self.loader, self.tau0, self.stretches)
         writer = self.world.is_lead
-        path = save_checkpoint(self.out_dir / "checkpoints", step, state) if writer else None
+        path = None
+        if writer:
+            path = save_checkpoint(self.out_dir / "checkpoints", step, self.staging.to_host(state))
         self.last_save = time.monotonic()
         if writer:
             self.out.line(f"checkpoint saved step {step} {path}")
