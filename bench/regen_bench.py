@@ -148,6 +148,9 @@ def batch_times(target, device):
         output = plain(*args, **kwargs)
         synchronize(device)
         batches.append((*kwargs["input_ids"].shape, time.perf_counter() - began))
+        rows, width, seconds = batches[-1]
+        # A first pass can outlast a machine's time: each batch as it ends shows how far it got.
+        print(f"      batch {len(batches)}: {rows} rows x width {width} in {seconds:.1f} s", flush=True)
         return output
 
     target.generate = timed_generate
