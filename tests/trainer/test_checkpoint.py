@@ -11,6 +11,7 @@ from trainer.cli import main
 from trainer.run.checkpoint import (
     CheckpointError,
     HostStaging,
+    available_host_memory,
     checkpoint_from_bytes,
     header_digest,
     list_checkpoints,
@@ -283,3 +284,21 @@ def test_host_staging_without_room_for_the_copy_hands_back_the_state_as_it_is(mo
     staging.buffers.append(torch.zeros(1))  # the last checkpoint's: let go, so the host gets it back
     state = {"drafter": {"w": torch.empty(4, device="meta")}, "step": 2}
     assert staging.to_host(state) is state and staging.buffers == []
+    assert staging.declined.startswith("the host copy failed (CUDA error: out of memory")
+
+
+def test_host_staging_writes_unstaged_where_the_host_has_not_twice_the_copy_available():
+    state = {"drafter": [torch.empty(2**20, device="meta"), torch.empty(2**20, device="meta")]}  # 8 MiB
+    tight = HostStaging(available=lambda: 12 * 2**20)
+    assert tight.to_host(state) is state
+    assert tight.declined == "0.0 GiB to copy to the host, 0.0 GiB of host memory available"
+    held = HostStaging(available=lambda: 12 * 2**20)
+    held.buffers = [torch.empty(2**20), torch.empty(2**20)]  # the last checkpoint's copy: room already
+    assert held.no_room(state) is None
+    unknown = HostStaging(available=lambda: None)  # no meminfo, no cgroup limit: try, as before
+    assert unknown.no_room(state) is None
+
+
+def test_the_host_memory_available_is_read_from_this_machine():
+    available = available_host_memory()  # /proc/meminfo: every Linux machine the tests run on
+    assert available is not None and 0 < available < 2**50

@@ -20,6 +20,7 @@ import hashlib
 import io
 import os
 import re
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -100,18 +101,25 @@ class HashingWriter:
 class HostStaging:
     """Host copies of a state's device tensors, made before torch.save and kept from one checkpoint
     to the next. torch.save copies each device tensor into fresh host memory as it writes it; one
-    H200 wrote 4.29 GB of CUDA tensors so in 11.4 s, where the disk alone takes 3.5 s. Copied into
-    buffers allocated once (pinned: page-locked, the copies run at the bus's rate), a later
-    checkpoint pays for the disk and the hash only. The buffers stay allocated for the run: host
-    memory the size of a checkpoint."""
+    H200 wrote 4.29 GB of CUDA tensors so in 7.6-11.4 s, where the disk alone takes 2.0-3.5 s. Copied
+    into buffers allocated once (pinned: page-locked, the copies run at the bus's rate), a later
+    checkpoint pays for the disk and the hash: 5.1 s. The buffers stay allocated for the run: host
+    memory the size of a checkpoint. Where the host has not twice that available (a container's
+    limit, say), or pinning fails, the state is written as it is, tensor by tensor."""
 
-    def __init__(self, pin: bool = True):
+    def __init__(self, pin: bool = True, available: Callable[[], int | None] | None = None):
         self.pin = pin
+        self.available = available or available_host_memory
         self.buffers: list[torch.Tensor] = []
+        self.declined: str | None = None  # why the last state was written unstaged
 
     def to_host(self, state: Any) -> Any:
         """`state` with every device tensor replaced by its host copy (the same nesting); `state`
         itself when the host has no room for the copy (torch.save then copies tensor by tensor)."""
+        self.declined = self.no_room(state)
+        if self.declined:
+            self.buffers.clear()
+            return state
         devices: set[torch.device] = set()
         count = 0
 
@@ -131,14 +139,28 @@ class HostStaging:
 
         try:
             host = copy(state)
-        except (RuntimeError, MemoryError):  # no host memory to pin or hold the copy: write without it
+        except (RuntimeError, MemoryError) as exc:  # pinning refused: write without the copy
             self.buffers.clear()
+            self.declined = f"the host copy failed ({str(exc).splitlines()[0]})"
             return state
         for device in devices:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the pinned copies were queued, not waited for
         del self.buffers[count:]  # a state with fewer tensors than the last one (never in a run)
         return host
+
+    def no_room(self, state: Any) -> str | None:
+        """Why the host cannot hold this state's copy beside what it has, or None. The buffers
+        already held count as room; the rest must be at most half of what is available."""
+        needed = sum(t.numel() * t.element_size() for t in device_tensors(state))
+        held = sum(t.numel() * t.element_size() for t in self.buffers)
+        available = self.available()
+        if not needed or available is None or 2 * (needed - held) <= available:
+            return None
+        return (
+            f"{needed / 2**30:.1f} GiB to copy to the host, {available / 2**30:.1f} GiB of host memory "
+            "available"
+        )
 
     def buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
         if index < len(self.buffers):
@@ -152,6 +174,49 @@ class HostStaging:
         else:
             self.buffers.append(fresh)
         return fresh
+
+
+def device_tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from device_tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from device_tensors(item)
+
+
+def available_host_memory() -> int | None:
+    """Bytes this process may still take: the smaller of MemAvailable (/proc/meminfo, which lxcfs
+    scales to a container's limit, as on Proxmox) and its cgroup's limit less its use; None if
+    neither says."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    room = cgroup_room()
+    if room is not None:
+        found.append(room)
+    return min(found) if found else None
+
+
+def cgroup_room() -> int | None:
+    """memory.max less memory.current of this process's cgroup (v2), or None where it has no limit."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        own = next(line[3:] for line in lines if line.startswith("0::"))  # "/" inside a namespace
+        cgroup = Path("/sys/fs/cgroup") / own.strip().lstrip("/")
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int((cgroup / "memory.current").read_text())
+    except (OSError, ValueError, StopIteration):
+        return None
 
 
 def header_of(digest: str, length: int) -> bytes:

@@ -407,6 +407,8 @@ class Run:
         path = None
         if writer:
             path = save_checkpoint(self.out_dir / "checkpoints", step, self.staging.to_host(state))
+            if self.staging.declined:
+                self.out.line(f"checkpoint step {step}: written without a host copy: {self.staging.declined}")
         self.last_save = time.monotonic()
         if writer:
             self.out.line(f"checkpoint saved step {step} {path}")
