@@ -7,6 +7,7 @@ product runs it, side by side on one device, on a Qwen3-shaped target with rando
     python bench/regen_bench.py --shape 8b --rows static --warm --compile-cache out/regen-compile
     python bench/regen_bench.py --shape 8b --rows workers --workers 1,2 --compile-cache out/regen-compile
     python bench/regen_bench.py --shape tiny                    # CPU: checks the harness only
+    python bench/regen_bench.py --rows static,shards --chat CHAT_JSONL --target TARGET_DIR
 
 Prompts have long-tailed lengths (log-normal, median --median, 16..1500 tokens), like chat data.
 Rows:
@@ -18,6 +19,8 @@ Rows:
               batches of at most --batch-size (fewer for long prompts: --batch-tokens), widths padded to
               --min-width x 2^k: data.regen_engine=static, the product's default; timed twice (the
               first pass compiles every new shape), then the second pass's time per width
+  shards      with --chat: the same prompts in the engine calls the product's stage makes, shard by
+              shard (--shard-size) and turn by turn within a shard, each call its own batches
   workers     the product's stage machinery (trainer/data/regen_worker.py): N worker processes on the
               one device, the prompts split N ways (prompt i to worker i mod N), each building the
               target and compiling over the compile cache, timed twice; one row per --workers entry
@@ -25,6 +28,10 @@ Rows:
 temporary directory, so the first compile is cold) runs the static pass twice: its first pass is
 what a restart or the next GPU's worker pays. The static row's pass 1 is the cold figure, its pass 2
 the steady one.
+--chat FILE --target DIR: the prompts of a chat JSONL as the product's stage builds them with that
+target's tokenizer (turns past --seq-len left out; a later turn's prompt holds the file's earlier
+answers cut to the new tokens), answered by that target until its end token: the product's own
+regeneration of that file (regen.yml, its log's tok/s) is the row to set beside these.
 Per row: generated tokens/s, conversations/s, peak device memory, and the memory-bound limit of the
 workload: sequences in flight x bandwidth / bytes read per decode step (the weights once, plus the
 KV cache of every sequence in flight at its mean length).
@@ -50,10 +57,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.trainer_bench import SHAPES, build_target
 from trainer.config import DataConfig
-from trainer.data.chat import Example, regenerate
-from trainer.data.regen import RegenSettings, continuous_generate, static_generate
+from trainer.data.chat import ChatFormat, Example, regenerate, tokenize_stream
+from trainer.data.regen import DataIndex, RegenSettings, continuous_generate, static_generate
 from trainer.data.regen_worker import Job, run_worker_processes
 from trainer.model import compile_cache
+from trainer.model.target import load_target, load_tokenizer
 
 END_ID = 2  # a token a random target rarely picks: answers run to --new-tokens, as real ones often do
 PAD_ID = 0
@@ -61,9 +69,11 @@ DEFAULTS = {"8b": (512, 256, 120, 16), "tiny": (24, 16, 24, 6)}  # prompts, new 
 
 
 class BenchChat:
-    """The chat format's surface the old loop uses, over bare prompt ids."""
+    """The chat format's surface the old loop uses, over bare prompt ids; `end_id` ends an answer
+    (a chat file's own with --chat, as the product's stage stops there)."""
 
-    end_id = END_ID
+    def __init__(self, end_id: int = END_ID):
+        self.end_id = end_id
 
     def encode(self, turns):
         ids = [token for _, content in turns for token in content]
@@ -77,6 +87,26 @@ def make_prompts(count: int, median: int, vocab: int, seed: int = 0) -> list[lis
     rng = random.Random(seed)
     lengths = [max(16, min(1500, int(math.exp(rng.gauss(math.log(median), 0.9))))) for _ in range(count)]
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def chat_prompts(path: Path, target_dir: Path, new_tokens: int, seq_len: int, shard_size: int,
+                 count: int | None) -> tuple[int, list[list[list[int]]]]:  # fmt: skip
+    """(the chat's end id, each call's prompts): a chat JSONL's prompts as the product's stage
+    builds them, shard by shard (data.regen_shard_size) and within a shard turn by turn, each a
+    call of the engine; turns past seq_len left out. A later turn's prompt holds the file's earlier
+    answers cut to new_tokens, where the stage holds the regenerated ones (at most as long)."""
+    from bench.regen_layout_bench import shard_prompts
+
+    chat = ChatFormat(load_tokenizer(target_dir))
+    index = DataIndex.build(path)
+    total = min(len(index), count or len(index))
+    calls = []
+    for start in range(0, total, shard_size):
+        conversations = index.read(start, min(start + shard_size, total))
+        examples = list(tokenize_stream((messages for _, messages in conversations), chat))
+        rounds, _ = shard_prompts(examples, chat, new_tokens, seq_len)
+        calls += [prompts for prompts in rounds if prompts]
+    return chat.end_id, calls
 
 
 def synchronize(device: torch.device) -> None:
@@ -176,6 +206,29 @@ def today(target, prompts, new_tokens, device):
 
 
 @dataclass
+class Source:
+    """What the rows generate from: the target (a random one of `shape`, or `target_path`), the id
+    that ends an answer, and the prompts of each of the product's engine calls (--chat; else None)."""
+
+    shape: str
+    target_path: str = ""
+    end_id: int = END_ID
+    calls: list | None = None
+
+
+def bench_target(shape: str, target_path: str, device: torch.device):
+    """The target a row runs: the directory --target names (bfloat16 on a GPU, as the product loads
+    it), or a random one of the shape."""
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if target_path:
+        target = load_target(Path(target_path), device, dtype)
+    else:
+        target = build_target(SHAPES[shape], device, getattr(torch, dtype))
+    target.generation_config.eos_token_id = None  # the engine is given the end id itself
+    return target
+
+
+@dataclass
 class BenchJob(Job):
     """A worker process of the workers row (and of --warm): its share of the prompts through the
     static engine, over the compile cache, timed `passes` times; results as log lines."""
@@ -185,22 +238,22 @@ class BenchJob(Job):
     settings: RegenSettings = field(default_factory=RegenSettings)
     compile_dir: str = ""
     passes: int = 2
+    target_path: str = ""  # a target directory (--target); empty: a random one of `shape`
+    end_id: int = END_ID
 
     def run(self, send, should_stop) -> bool:
         began = time.perf_counter()
         device = torch.device(self.device)
         if device.type == "cpu":
             torch.set_num_threads(1)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        target = build_target(SHAPES[self.shape], device, dtype)
-        target.generation_config.eos_token_id = None
+        target = bench_target(self.shape, self.target_path, device)
         send({"line": f"target built in {time.perf_counter() - began:.1f} s"})
         cache = compile_cache.persisted(Path(self.compile_dir), lambda text: send({"line": text}))
         with cache, torch.no_grad():
             for attempt in range(1, self.passes + 1):
                 synchronize(device)
                 began = time.perf_counter()
-                chat = BenchChat()
+                chat = BenchChat(self.end_id)
                 answers = static_generate(target, self.prompts, self.settings, chat, PAD_ID, should_stop)
                 synchronize(device)
                 seconds, tokens = time.perf_counter() - began, sum(map(len, answers))
@@ -209,15 +262,17 @@ class BenchJob(Job):
         return True
 
 
-def worker_rows(prompts, settings, workers: int, shape: str, device, compile_dir: Path, passes: int,
+def worker_rows(prompts, settings, workers: int, source: Source, device, compile_dir: Path, passes: int,
                 name: str) -> None:  # fmt: skip
     """`workers` fresh worker processes on `device`, the prompts split between them: each pass's
     tokens/s counts every worker's tokens over the slowest worker's time."""
     from bench.regen_bench import BenchJob as Importable  # pickled by a name the workers can import
 
     jobs = [
-        Importable(str(device), str(compile_dir), shape, prompts[n::workers], settings, str(compile_dir),
-                   passes)
+        Importable(
+            str(device), str(compile_dir), source.shape, prompts[n::workers], settings, str(compile_dir),
+            passes, source.target_path, source.end_id,
+        )
         for n in range(workers)
     ]
     lines: list[str] = []
@@ -246,12 +301,13 @@ class NoProgress:
         pass
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=["8b", "tiny"], default="8b")
     parser.add_argument(
-        "--rows", default="today,continuous,static", help="comma-separated: today, continuous, static"
-    )
+        "--rows", default="today,continuous,static",
+        help="comma-separated: today, continuous, static, shards (needs --chat), workers",
+    )  # fmt: skip
     parser.add_argument("--prompts", type=int, help="default: 512 (8b), 24 (tiny)")
     parser.add_argument("--new-tokens", type=int, help="new tokens per answer; default 256 (8b), 16 (tiny)")
     parser.add_argument("--median", type=int, help="median prompt length; default 120 (8b), 24 (tiny)")
@@ -279,19 +335,47 @@ def main() -> int:
     parser.add_argument("--workers", default="2", help="workers row: worker processes, a comma list")
     parser.add_argument("--warm", action="store_true", help="then a fresh process over the compile cache")
     parser.add_argument("--compile-cache", help="compile cache root (default: a new temporary directory)")
+    parser.add_argument("--chat", help="prompts from this chat JSONL, as the product's stage builds them")
+    parser.add_argument("--target", help="a target directory (weights, tokenizer) instead of a random one")
+    parser.add_argument("--seq-len", type=int, default=3072, help="--chat: train.seq_len (turns past it out)")
+    parser.add_argument(
+        "--shard-size", type=int, default=DataConfig.regen_shard_size, help="--chat: data.regen_shard_size"
+    )
     args = parser.parse_args()
+    rows = args.rows.split(",")
+    unknown = set(rows) - {"today", "continuous", "static", "shards", "workers", ""}
+    if unknown:
+        known = "today, continuous, static, shards, workers"
+        parser.error(f"unknown row {sorted(unknown)[0]!r}; rows are {known}")
+    if args.chat and not args.target:
+        parser.error("--chat needs --target: the target directory whose tokenizer builds the prompts")
+    if "shards" in rows and not args.chat:
+        parser.error("the shards row needs --chat: the chat file whose shards and turns it lays out")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     count, new_tokens, median, today_count = DEFAULTS[args.shape]
     count, new_tokens = args.prompts or count, args.new_tokens or new_tokens
     median, today_count = args.median or median, args.today_prompts or today_count
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     import transformers
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {device}, shape {args.shape}")
-    vocab = SHAPES[args.shape].vocab
-    prompts = make_prompts(count, median, vocab)
+    shape = args.target or args.shape
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {device}, target {shape}")
+    source = Source(args.shape, args.target or "")
+    if args.chat:
+        source.end_id, source.calls = chat_prompts(
+            Path(args.chat), Path(args.target), new_tokens, args.seq_len, args.shard_size, args.prompts
+        )
+        prompts = [prompt for call in source.calls for prompt in call]
+        print(f"{args.chat}: {len(source.calls)} engine calls (shards x turns) of the product's stage")
+    else:
+        prompts = make_prompts(count, median, SHAPES[args.shape].vocab)
     lengths = sorted(map(len, prompts))
     print(
-        f"{count} prompts, lengths median {lengths[len(lengths) // 2]} max {lengths[-1]}; "
+        f"{len(prompts)} prompts, lengths median {lengths[len(lengths) // 2]} max {lengths[-1]}; "
         f"{new_tokens} new tokens each"
     )
     batch_sizes = [int(size) for size in args.batch_size.split(",")]
@@ -305,33 +389,29 @@ def main() -> int:
     root = Path(args.compile_cache or tempfile.mkdtemp(prefix="regen-compile-")).absolute()
     compile_dir = compile_cache.cache_directory(root, device)
     rows = args.rows.split(",")
-    unknown = set(rows) - {"today", "continuous", "static", "workers", ""}
-    if unknown:
-        parser.error(f"unknown row {sorted(unknown)[0]!r}; rows are today, continuous, static, workers")
-    if set(rows) & {"today", "continuous", "static"}:
+    if set(rows) & {"today", "continuous", "static", "shards"}:
         with compile_cache.persisted(compile_dir, print):
-            in_process_rows(args, rows, prompts, device, settings_for, batch_sizes, new_tokens, today_count)
+            in_process_rows(args, rows, prompts, source, device, settings_for, batch_sizes, today_count)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     settings = settings_for(batch_sizes[0])
     if "workers" in rows:
         for workers in [int(n) for n in args.workers.split(",")]:
             print(f"workers: {workers} process(es) on {device}, compile cache {compile_dir}", flush=True)
-            worker_rows(prompts, settings, workers, args.shape, device, compile_dir, 2, f"workers x{workers}")
+            worker_rows(prompts, settings, workers, source, device, compile_dir, 2, f"workers x{workers}")
     if args.warm:
         print(f"warm: a fresh process over the compile cache {compile_dir}", flush=True)
-        worker_rows(prompts, settings, 1, args.shape, device, compile_dir, 2, "warm (fresh process)")
+        worker_rows(prompts, settings, 1, source, device, compile_dir, 2, "warm (fresh process)")
     return 0
 
 
-def in_process_rows(args, rows, prompts, device, settings_for, batch_sizes, new_tokens, today_count) -> None:
-    """The rows that run in this process: today, continuous, static (see the module's docstring)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def in_process_rows(args, rows, prompts, source: Source, device, settings_for, batch_sizes, today_count):
+    """The rows that run in this process: today, continuous, static, shards (the module's docstring)."""
     if device.type == "cpu":
         torch.set_num_threads(1)
-    target = build_target(SHAPES[args.shape], device, dtype)
-    target.generation_config.eos_token_id = None
-    settings = settings_for(batch_sizes[0])
+    target = bench_target(source.shape, source.target_path, device)
+    new_tokens = settings_for(batch_sizes[0]).max_new_tokens
+    chat = BenchChat(source.end_id)
 
     def never() -> bool:
         return False
@@ -347,21 +427,26 @@ def in_process_rows(args, rows, prompts, device, settings_for, batch_sizes, new_
                 limit = memory_bound_tokens_per_s(
                     target, prompts, new_tokens, len(prompts), args.bandwidth_tbs
                 )
-                run = lambda: continuous_generate(target, prompts, settings, BenchChat(), PAD_ID, never)  # noqa: E731
+                run = lambda: continuous_generate(  # noqa: E731
+                    target, prompts, settings_for(batch_sizes[0]), chat, PAD_ID, never
+                )
                 timed("continuous (defaults)", device, run, prompts, limit, args.profile)
-            elif row == "static":
+            elif row in ("static", "shards"):
                 for batch_size in batch_sizes:
                     static = settings_for(batch_size)
-                    in_flight = min(batch_size, len(prompts))
+                    calls = source.calls if row == "shards" else [prompts]
                     limit = memory_bound_tokens_per_s(
-                        target, prompts, new_tokens, in_flight, args.bandwidth_tbs
+                        target, prompts, new_tokens, min(batch_size, len(prompts)), args.bandwidth_tbs
                     )
 
-                    def run(static=static):
-                        return static_generate(target, prompts, static, BenchChat(), PAD_ID, never)
+                    def run(static=static, calls=calls):
+                        answers = []
+                        for call in calls:  # one engine call each, as the product's stage makes them
+                            answers += static_generate(target, call, static, chat, PAD_ID, never)
+                        return answers
 
                     for attempt in (1, 2):  # the first pass compiles each new shape
-                        name = f"static B{batch_size} pass {attempt}"
+                        name = f"{row} B{batch_size} pass {attempt}"
                         with batch_times(target, device) as batches:
                             timed(name, device, run, prompts, limit, args.profile and attempt == 2)
                         if attempt == 2:
