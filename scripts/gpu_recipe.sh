@@ -10,7 +10,13 @@
 #          the run to its last step, status.yml.
 #   export: export.yml, and the export loaded by the reference dflash package
 #          (scripts/dflash_reference_check.py: greedy decoding lossless, its acceptance length).
-# Usage: scripts/gpu_recipe.sh data|train|export|all
+#   compare: the product's regeneration against bench/regen_bench.py on the same prompts and target:
+#          regen.yml (its compile cache filled where it was not), the shards removed and regen.yml
+#          again over the warm cache, then regen_bench --chat in a fresh process over that cache
+#          (one call, the product's shards and turns as the stage makes them; the file's prompts in
+#          one call). COMPARE_CONVERSATIONS (default 256) in shards of COMPARE_SHARD (default 256).
+#          A cold compile takes minutes: run it twice on a machine kept warm if one call ends first.
+# Usage: scripts/gpu_recipe.sh data|train|export|compare|all
 # Each stage fits a device call of ten minutes. On one H200 (2026-12-03, docs/PERFORMANCE.md): data
 # 7.7 min (the budget stopped it: compiling is most of it), train 8.1 min with STEPS=24, export 2.5
 # min. `all` is the three in one go. A stage finds what the one before left in $RECIPE_DIR (default
@@ -24,9 +30,10 @@
 # Every process it starts is ended by PID, also on failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?usage: scripts/gpu_recipe.sh data|train|export|all}
+STAGE=${1:?usage: scripts/gpu_recipe.sh data|train|export|compare|all}
 OUT=${OUT:-/tmp/gpu_recipe}
-RECIPE_DIR=${RECIPE_DIR:-/tmp/dflash-recipe}
+# compare builds its own, smaller chat set: a directory of its own, so data and train find theirs.
+RECIPE_DIR=${RECIPE_DIR:-/tmp/dflash-$([ "$STAGE" = compare ] && echo compare || echo recipe)}
 STATE=$RECIPE_DIR/state
 MODEL=$RECIPE_DIR/model
 CONVERSATIONS=${CONVERSATIONS:-2048}
@@ -191,13 +198,33 @@ stage_export() {
         2>&1 | grep -v "^Loading" | tee "$OUT/reference_check.log" | tail -n 8 | sed 's/^/   /'
 }
 
+stage_compare() {
+    local conversations=${COMPARE_CONVERSATIONS:-256} shard=${COMPARE_SHARD:-256}
+    CONVERSATIONS=$conversations build_model
+    EXTRA_SET="data.regen_shard_size=$shard${EXTRA_SET:+,$EXTRA_SET}" write_vars
+    local log=$STATE/workspace/train_qwen3-8b.log regenerated=$STATE/workspace/cache/regenerated
+    for pass in first warm; do
+        rm -rf "$regenerated"
+        say "regen.yml ($pass): $conversations conversations in shards of $shard, $NEW_TOKENS new tokens"
+        playbook regen "regen_$pass.log" -e run=qwen3-8b
+        wait_for_end "$REGEN_BUDGET_S" || { playbook stop "stop_$pass.log" || true; say "stopped for the call's time"; }
+        grep -E "compile cache|regenerated [0-9]+ conversations" "$log" | tail -n 2 | sed 's/^/   /'
+    done
+    say "regen_bench: the same file and target, a fresh process over the product's compile cache"
+    python3 bench/regen_bench.py --rows shards,static --chat "$MODEL/chat.jsonl" --target "$MODEL/target" \
+        --new-tokens "$NEW_TOKENS" --shard-size "$shard" --seq-len 3072 \
+        --compile-cache "$STATE/workspace/cache/compile" 2>&1 | grep -v -i "warn" | tee "$OUT/regen_bench.log" \
+        | grep -E "pass|calls|prompts,|compile cache" | sed 's/^/   /'
+}
+
 write_vars
 say "GPUs: $(gpus | tr '\n' ';') disk: $(df -h /tmp | tail -1)"
 case "$STAGE" in
     data) stage_data ;;
     train) stage_train ;;
     export) stage_export ;;
+    compare) stage_compare ;;
     all) stage_data; stage_train; stage_export ;;
-    *) echo "usage: scripts/gpu_recipe.sh data|train|export|all" >&2; exit 2 ;;
+    *) echo "usage: scripts/gpu_recipe.sh data|train|export|compare|all" >&2; exit 2 ;;
 esac
 say "== $STAGE done"
