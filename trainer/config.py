@@ -172,6 +172,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     log_every: int = 10
+    """A progress line and a metrics row every log_every steps and at the last; the first step of
+    every start gets a progress line too (what launch.yml waits for)."""
     eval_every: int = 50
     """Evaluate tau at step 0, every eval_every steps and at the end (0: only at 0 and the end)."""
     eval_prompts: int = 16

@@ -50,10 +50,12 @@ def test_short_run_learns(tmp_path, cache_dir):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     progress = [line for line in lines if re.match(r"^step \d+/\d+ ", line)]
-    assert len(progress) == 6
+    # The first step (a launch waits for a progress line), then every log_every steps.
+    steps = ["1/120", "20/120", "40/120", "60/120", "80/120", "100/120", "120/120"]
+    assert [line.split()[1] for line in progress] == steps
     assert re.match(
         r"^step 20/120 loss [0-9.]+ lr [0-9.e+-]+ tok/s \d+ padding \d+% anchors \d+% eta \d+:\d\d:\d\d$",
-        progress[0],
+        progress[1],
     )
     evals_printed = [line for line in lines if re.match(r"^eval step \d+ tau [0-9.]+", line)]
     assert evals_printed[0].startswith("eval step 0 ")
@@ -66,6 +68,7 @@ def test_short_run_learns(tmp_path, cache_dir):
     evals = [row for row in rows if row["kind"] == "eval"]
     train_rows = [row for row in rows if row["kind"] == "train"]
     assert [row["step"] for row in evals] == [0, 60, 120]
+    assert [row["step"] for row in train_rows] == [20, 40, 60, 80, 100, 120]  # step 1: a line, no row
     assert {"step", "loss", "lr", "tokens_per_s", "elapsed_s"} <= set(train_rows[0])
     # tok/s counts conversations' tokens only: padding and unfilled anchor slots are reported apart.
     first = train_rows[0]

@@ -457,7 +457,10 @@ class Run:
             "lower train.lr or check the data, then resume or start fresh"
         )
 
-    def log_progress(self, step: int, loss: float, meter: Throughput) -> None:
+    def log_progress(self, step: int, loss: float, meter: Throughput, row: bool = True) -> None:
+        """The progress line; with `row`, the metrics row too (every train.log_every steps and the
+        last: the first step of a start gets the line alone, so a resumed run's rows stay those of
+        an uninterrupted one)."""
         window, eta, elapsed = meter.report(step)
         lr = self.models.replicas[0].scheduler.get_last_lr()[0]
         total = self.cfg.train.steps
@@ -466,11 +469,12 @@ class Run:
             f"padding {window['padding_share']:.0%} anchors {window['valid_anchor_share']:.0%} "
             f"eta {format_eta(eta)}"
         )
-        row = {"kind": "train", "step": step, "loss": loss, "lr": lr, **window}
-        device = self.models.replicas[0].device
-        if device.type == "cuda":  # the training stage's peak so far (the data stage's is logged apart)
-            row["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        self.out.metric({**row, "elapsed_s": elapsed})
+        if row:
+            metrics = {"kind": "train", "step": step, "loss": loss, "lr": lr, **window}
+            device = self.models.replicas[0].device
+            if device.type == "cuda":  # the training stage's peak so far (the data stage's apart)
+                metrics["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            self.out.metric({**metrics, "elapsed_s": elapsed})
         self.warn_about_recompiles()
 
     def warn_about_recompiles(self) -> None:
@@ -563,6 +567,7 @@ def training_loop(run: Run, step: int) -> int:
             return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
     run.tau = run.tau if run.tau is not None else run.tau0
     meter = Throughput(total)
+    started = step
     while step < total:
         if run.world.any(run.stop()):
             return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
@@ -570,15 +575,18 @@ def training_loop(run: Run, step: int) -> int:
         step += 1
         meter.add(count_batch(batch, cfg.drafter.num_anchors))
         logs = step == total or every(step, cfg.train.log_every)
+        # The first step of every start is logged too: launch.yml waits for a progress line, and
+        # the recipe logs every 50 steps (80 s on one H200).
+        first = step == started + 1
         saves = run.checkpoint_due(step)
-        if logs or saves:
+        if logs or first or saves:
             # Read only where the loss is waited for anyway (a log line, a checkpoint): reading it
             # every step would stall the workers, which queue the next step before it is read.
             loss = float(loss)
             if not math.isfinite(loss):
                 run.diverged(step, f"the loss is {loss}")
-        if logs:
-            run.log_progress(step, loss, meter)
+        if logs or first:
+            run.log_progress(step, loss, meter, row=logs)
         run.new_best = False
         if (step == total or every(step, cfg.train.eval_every)) and run.evaluate(step) is None:
             return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
