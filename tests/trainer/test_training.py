@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer.cli import main
 
@@ -59,6 +60,8 @@ def test_short_run_learns(tmp_path, cache_dir):
     )
     evals_printed = [line for line in lines if re.match(r"^eval step \d+ tau [0-9.]+", line)]
     assert evals_printed[0].startswith("eval step 0 ")
+    # The step-0 evaluation (of the step-0 weights) comes after the first progress line.
+    assert lines.index(progress[0]) < lines.index(evals_printed[0])
     assert re.match(
         r"^checkpoint saved step 120 ", [line for line in lines if "checkpoint saved" in line][-1]
     )
@@ -344,3 +347,56 @@ def test_a_resumed_run_stopped_before_training_stays_at_its_checkpoint_s_step(
     assert main([*args, "--steps", "8", "--resume"]) == 0
     record = runrecord.read_record(out)
     assert (record["state"], record["exit_reason"]) == ("stopped", "stopped at step 4, before training began")
+
+
+def test_drafter_weights_evaluates_earlier_weights_and_gives_back_its_own_bit_for_bit():
+    from trainer.run.train import drafter_weights, host_copy
+
+    drafter = torch.nn.Linear(4, 3)
+    earlier = host_copy(drafter)
+    with torch.no_grad():
+        drafter.weight.add_(1.0)
+    own = host_copy(drafter)
+    weight = drafter.weight
+    with drafter_weights(drafter, earlier):
+        assert torch.equal(drafter.weight, earlier["weight"]) and drafter.weight is weight  # in place
+    assert torch.equal(drafter.weight, own["weight"])
+    with pytest.raises(RuntimeError, match="stopped"), drafter_weights(drafter, earlier):
+        raise RuntimeError("stopped")
+    assert torch.equal(drafter.weight, own["weight"]) and torch.equal(drafter.bias, own["bias"])
+
+
+def test_a_stop_during_the_step_0_evaluation_checkpoints_the_first_step_s_weights(
+    tmp_path, cache_dir, monkeypatch
+):
+    """The step-0 evaluation runs on the step-0 weights after the first step: a stop during it
+    checkpoints step 1 with the weights step 1 made (those a run that goes on checkpoints at step
+    1), not step 0's."""
+    import trainer.run.train
+    from trainer.run.checkpoint import list_checkpoints, load_checkpoint
+
+    args = ["--run", "eager", "--seed", "3", "--steps", "6", "--set", f"data.cache_dir={cache_dir}",
+            "--set", "train.eval_every=0", "--set", "train.keep_checkpoints=0", *FAST]  # fmt: skip
+    evaluated = []
+
+    def evaluation(tau):
+        def acceptance_length(drafter, *_args, **_kwargs):
+            evaluated.append({name: value.clone() for name, value in drafter.state_dict().items()})
+            return tau
+
+        return acceptance_length
+
+    monkeypatch.setattr(trainer.run.train, "acceptance_length", evaluation(1.0))
+    assert main([*args, "--set", "train.checkpoint_every=1", "--out", str(tmp_path / "on")]) == 0
+    monkeypatch.setattr(trainer.run.train, "acceptance_length", evaluation(None))  # a stop came
+    assert main([*args, "--set", "train.checkpoint_every=0", "--out", str(tmp_path / "stopped")]) == 0
+    [(step, path)] = list_checkpoints(tmp_path / "stopped" / "checkpoints")
+    assert step == 1
+    stopped = load_checkpoint(path)
+    want = load_checkpoint(list_checkpoints(tmp_path / "on" / "checkpoints")[0][1])
+    assert want["step"] == 1 and stopped["tau0"] == -1.0  # not evaluated: a resume evaluates at its step
+    step_0 = evaluated[-1]  # what the stopped run's evaluation saw: the step-0 weights, same seed
+    assert all(torch.equal(step_0[name], value) for name, value in evaluated[0].items())
+    assert not torch.equal(stopped["drafter"]["fc.weight"], step_0["fc.weight"])  # trained since
+    for name, value in want["drafter"].items():
+        assert torch.equal(stopped["drafter"][name], value), name

@@ -13,6 +13,7 @@ log; sinks.py), and the stop decision and the evaluation's outcome hold on every
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import math
@@ -373,14 +374,17 @@ class Run:
             self.best_tau = max(taus.values()) if taus else None
         return step
 
-    def evaluate(self, step: int) -> float | None:
-        """tau on the held-out prompts (rank 0's, logged on every host); None if a stop came."""
+    def evaluate(self, step: int, weights: dict | None = None) -> float | None:
+        """tau on the held-out prompts (rank 0's, logged on every host); None if a stop came.
+        `weights`: the drafter's of an earlier step (drafter_weights), evaluated in its place."""
         m = self.models
         wait_for_parameters(m.replicas)
-        tau = acceptance_length(
-            m.replicas[0].drafter, m.target, self.eval_prompts, m.layer_ids, self.cfg.drafter.block_size,
-            m.mask_id, self.cfg.train.eval_max_new_tokens, m.chat.end_id, m.replicas[0].device, self.stop,
-        )  # fmt: skip
+        with drafter_weights(m.replicas[0].drafter, weights):
+            tau = acceptance_length(
+                m.replicas[0].drafter, m.target, self.eval_prompts, m.layer_ids, self.cfg.drafter.block_size,
+                m.mask_id, self.cfg.train.eval_max_new_tokens, m.chat.end_id, m.replicas[0].device,
+                self.stop,
+            )  # fmt: skip
         # Every rank evaluates the same drafter on the same prompts; rank 0's tau is the one every
         # host logs (CUDA kernels need not agree to the last bit across hosts).
         taus = self.world.gather(tau)
@@ -557,11 +561,34 @@ def every(step: int, interval: int) -> bool:
     return bool(interval) and step % interval == 0
 
 
+def host_copy(drafter: torch.nn.Module) -> dict:
+    return {name: value.detach().to("cpu", copy=True) for name, value in drafter.state_dict().items()}
+
+
+@contextlib.contextmanager
+def drafter_weights(drafter: torch.nn.Module, weights: dict | None):
+    """Inside the block the drafter holds `weights` (a host_copy); after it, its own again, bit for
+    bit, also when the block raises. Copied in place: compiled code sees the same tensors."""
+    if weights is None:
+        yield
+        return
+    own = host_copy(drafter)
+    drafter.load_state_dict(weights)
+    try:
+        yield
+    finally:
+        drafter.load_state_dict(own)
+
+
 def training_loop(run: Run, step: int) -> int:
     """Step, log, evaluate and checkpoint until the last step or a stop request (on any rank)."""
     cfg = run.cfg
     total = cfg.train.steps
-    if run.tau0 is None:  # the step-0 evaluation (also when a run stopped before it finished)
+    # The step-0 evaluation of a fresh start runs after the first step's progress line, on a copy
+    # of the step-0 weights: launch.yml waits for that line, and the recipe's evaluation (32 prompts
+    # of 256 new tokens, an untrained drafter needing a verify step a token) takes about a minute.
+    initial = host_copy(run.models.replicas[0].drafter) if run.tau0 is None and step == 0 else None
+    if run.tau0 is None and initial is None:  # a resumed run whose step-0 evaluation did not finish
         run.tau0 = run.evaluate(step)
         if run.tau0 is None:
             return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
@@ -587,6 +614,11 @@ def training_loop(run: Run, step: int) -> int:
                 run.diverged(step, f"the loss is {loss}")
         if logs or first:
             run.log_progress(step, loss, meter, row=logs)
+        if initial is not None:
+            run.tau0, initial = run.evaluate(0, weights=initial), None
+            if run.tau0 is None:
+                return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
+            run.tau = run.tau if run.tau is not None else run.tau0
         run.new_best = False
         if (step == total or every(step, cfg.train.eval_every)) and run.evaluate(step) is None:
             return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
