@@ -308,7 +308,9 @@ def parse_args() -> argparse.Namespace:
         "--rows", default="today,continuous,static",
         help="comma-separated: today, continuous, static, shards (needs --chat), workers",
     )  # fmt: skip
-    parser.add_argument("--prompts", type=int, help="default: 512 (8b), 24 (tiny)")
+    parser.add_argument(
+        "--prompts", type=int, help="default: 512 (8b), 24 (tiny); --chat: its first N conversations"
+    )
     parser.add_argument("--new-tokens", type=int, help="new tokens per answer; default 256 (8b), 16 (tiny)")
     parser.add_argument("--median", type=int, help="median prompt length; default 120 (8b), 24 (tiny)")
     parser.add_argument(
