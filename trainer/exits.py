@@ -77,3 +77,16 @@ def disk_full(out_dir: Path, exc: OSError) -> int:
     where = exc.filename or out_dir
     message = f"disk full writing {where}: {exc.strerror}; the last intact checkpoint is {last}"
     return ended(out_dir, error_line(message), message)
+
+
+def exit_process(code: int) -> None:
+    """End the process with `code`. A rank under torchrun ends without the interpreter's teardown:
+    its files are closed and its process group destroyed by then, and tearing down torch and gloo
+    after that now and then aborted ("terminate called without an active exception", exit -6)
+    when another rank had just exited; torchrun then reported a failed rank after a clean end, and
+    the other hosts' torchruns waited for it in their exit barrier."""
+    if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

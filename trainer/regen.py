@@ -10,11 +10,10 @@ torchrun (run.topology: process) every rank regenerates its shards.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from .config import ConfigError, load_config
-from .exits import error_line, fail
+from .exits import error_line, exit_process, fail
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -156,4 +155,4 @@ def ended(world, run_dir: Path, state: str, reason: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # under torchrun: without the interpreter's teardown (trainer.exits)
