@@ -24,8 +24,8 @@
 # starts within its 30 s); train and data otherwise rebuild the target (the same weights: a fixed
 # seed and a fixed file time, so the regeneration's key is the same) and train unpacks $REGENERATED
 # (default .e2e/regenerated.tgz, carried from the data stage's $OUT). Export needs the train stage's
-# checkpoint: the same machine, still warm. Use STEPS well above the 4 steps that first progress
-# waits for, or the run ends before stop.yml reaches it (24 on one H200).
+# checkpoint: the same machine, still warm. Use STEPS well above the first step (the first progress
+# line launch.yml waits for), or the run ends before stop.yml reaches it (24 on one H200).
 # Every figure it prints comes from the product's own lines (the log, status, the run record).
 # Every process it starts is ended by PID, also on failure.
 set -euo pipefail

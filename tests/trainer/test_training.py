@@ -367,7 +367,7 @@ def test_drafter_weights_evaluates_earlier_weights_and_gives_back_its_own_bit_fo
 
 
 def test_a_stop_during_the_step_0_evaluation_checkpoints_the_first_step_s_weights(
-    tmp_path, cache_dir, monkeypatch
+    tmp_path, cache_dir, monkeypatch, capsys
 ):
     """The step-0 evaluation runs on the step-0 weights after the first step: a stop during it
     checkpoints step 1 with the weights step 1 made (those a run that goes on checkpoints at step
@@ -400,3 +400,8 @@ def test_a_stop_during_the_step_0_evaluation_checkpoints_the_first_step_s_weight
     assert not torch.equal(stopped["drafter"]["fc.weight"], step_0["fc.weight"])  # trained since
     for name, value in want["drafter"].items():
         assert torch.equal(stopped["drafter"][name], value), name
+    # Its resume evaluates at step 1 in step 0's stead, and says so at the end.
+    monkeypatch.setattr(trainer.run.train, "acceptance_length", evaluation(1.25))
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "stopped"), "--resume"]) == 0
+    assert "done: step 6, tau 1.25 (step 1: 1.25)" in capsys.readouterr().out

@@ -122,7 +122,8 @@ def _shape_of(stretch: dict) -> Shape:
 
 
 def checkpoint_state(
-    step: int, cfg: Config, topology, loader: Loader, tau0: float | None, stretches: list[dict] | None = None
+    step: int, cfg: Config, topology, loader: Loader, tau0: float | None, stretches: list[dict] | None = None,
+    tau0_step: int = 0,
 ) -> dict:
     """The whole training state at `step` (a collective in the process topology)."""
     first = topology.replicas[0]
@@ -138,6 +139,7 @@ def checkpoint_state(
         "data": loader.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "cuda": cuda_states, "workers": workers},
         "tau0": -1.0 if tau0 is None else tau0,  # -1: step-0 evaluation not finished
+        "tau0_step": tau0_step,  # where tau0 came from: a resume evaluates there when step 0's did not finish
         "stretches": list(stretches or []),
     }
 

@@ -345,6 +345,7 @@ class Run:
         self.topology, self.models, self.loader, self.eval_prompts = topology, models, loader, eval_prompts
         self.recompiles = RecompileWatch()
         self.tau0: float | None = None
+        self.tau0_step = 0  # the step tau0 was evaluated at: a resume stands in for a step 0 never finished
         self.tau: float | None = None
         self.best_tau: float | None = None  # the best evaluation so far: its step is checkpointed
         self.new_best = False  # the evaluation of this step gave the best tau so far
@@ -364,6 +365,7 @@ class Run:
             return 0
         restore(state, self.topology, self.loader, self.cfg.train.seed, shape)
         self.tau0 = state["tau0"] if state["tau0"] >= 0 else None
+        self.tau0_step = int(state.get("tau0_step", 0))
         self.out.line(describe_resume(resume_from, shape, self.loader, self.cfg.train.batch_size))
         if self.world.is_lead:
             # A resumed run's latest tau is its last evaluation, not the first one.
@@ -406,7 +408,9 @@ class Run:
         if self.world.any(not finite):
             self.diverged(step, "the drafter's weights are not finite")
         began = time.monotonic()
-        state = checkpoint_state(step, self.cfg, self.topology, self.loader, self.tau0, self.stretches)
+        state = checkpoint_state(
+            step, self.cfg, self.topology, self.loader, self.tau0, self.stretches, self.tau0_step
+        )
         writer = self.world.is_lead
         path = None
         if writer:
@@ -486,7 +490,7 @@ class Run:
             self.out.line(warning)
 
     def finish(self, step: int) -> int:
-        self.out.line(f"done: step {step}, tau {self.tau:.2f} (step 0: {self.tau0:.2f})")
+        self.out.line(f"done: step {step}, tau {self.tau:.2f} (step {self.tau0_step}: {self.tau0:.2f})")
         if self.world.local_rank == 0:
             runrecord.note(
                 self.out_dir, state="finished", exit_status=0, exit_reason="finished",
@@ -589,7 +593,7 @@ def training_loop(run: Run, step: int) -> int:
     # of 256 new tokens, an untrained drafter needing a verify step a token) takes about a minute.
     initial = host_copy(run.models.replicas[0].drafter) if run.tau0 is None and step == 0 else None
     if run.tau0 is None and initial is None:  # a resumed run whose step-0 evaluation did not finish
-        run.tau0 = run.evaluate(step)
+        run.tau0, run.tau0_step = run.evaluate(step), step
         if run.tau0 is None:
             return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
     run.tau = run.tau if run.tau is not None else run.tau0
