@@ -16,6 +16,7 @@ from trainer.run.checkpoint import (
     header_digest,
     list_checkpoints,
     load_checkpoint,
+    map_device_tensors,
     save_checkpoint,
 )
 
@@ -294,11 +295,20 @@ def test_host_staging_writes_unstaged_where_the_host_has_not_twice_the_copy_avai
     assert tight.declined == "0.0 GiB to copy to the host, 0.0 GiB of host memory available"
     held = HostStaging(available=lambda: 12 * 2**20)
     held.buffers = [torch.empty(2**20), torch.empty(2**20)]  # the last checkpoint's copy: room already
-    assert held.no_room(state) is None
+    assert held.no_room(state["drafter"]) is None
     unknown = HostStaging(available=lambda: None)  # no meminfo, no cgroup limit: try, as before
-    assert unknown.no_room(state) is None
+    assert unknown.no_room(state["drafter"]) is None
 
 
 def test_the_host_memory_available_is_read_from_this_machine():
     available = available_host_memory()  # /proc/meminfo: every Linux machine the tests run on
     assert available is not None and 0 < available < 2**50
+
+
+def test_the_device_tensors_of_a_state_are_replaced_in_order_and_the_rest_kept():
+    host = torch.ones(2)
+    state = {"a": torch.empty(3, device="meta"), "b": [host, (torch.empty(1, device="meta"), 7)], "c": "x"}
+    seen = []
+    mapped = map_device_tensors(state, lambda tensor: seen.append(tensor.shape[0]) or len(seen))
+    assert seen == [3, 1] and mapped == {"a": 1, "b": [host, (2, 7)], "c": "x"}
+    assert mapped["b"][0] is host and isinstance(mapped["b"][1], tuple)

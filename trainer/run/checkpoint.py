@@ -20,7 +20,7 @@ import hashlib
 import io
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -116,43 +116,36 @@ class HostStaging:
     def to_host(self, state: Any) -> Any:
         """`state` with every device tensor replaced by its host copy (the same nesting); `state`
         itself when the host has no room for the copy (torch.save then copies tensor by tensor)."""
-        self.declined = self.no_room(state)
+        tensors: list[torch.Tensor] = []
+        map_device_tensors(state, lambda tensor: tensors.append(tensor) or tensor)
+        self.declined = self.no_room(tensors)
         if self.declined:
             self.buffers.clear()
             return state
-        devices: set[torch.device] = set()
-        count = 0
-
-        def copy(value: Any) -> Any:
-            nonlocal count
-            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-                buffer = self.buffer(count, value)
-                buffer.copy_(value, non_blocking=self.pin)
-                devices.add(value.device)
-                count += 1
-                return buffer
-            if isinstance(value, dict):
-                return {key: copy(item) for key, item in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(copy(item) for item in value)
-            return value
-
         try:
-            host = copy(state)
+            copies = iter(self.copy(tensors))
         except (RuntimeError, MemoryError) as exc:  # pinning refused: write without the copy
             self.buffers.clear()
             self.declined = f"the host copy failed ({str(exc).splitlines()[0]})"
             return state
-        for device in devices:
+        return map_device_tensors(state, lambda _tensor: next(copies))
+
+    def copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors copied into this staging's buffers (one each, in order), complete on return."""
+        copies = []
+        for index, tensor in enumerate(tensors):
+            copies.append(self.buffer(index, tensor))
+            copies[-1].copy_(tensor, non_blocking=self.pin)
+        for device in {tensor.device for tensor in tensors}:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the pinned copies were queued, not waited for
-        del self.buffers[count:]  # a state with fewer tensors than the last one (never in a run)
-        return host
+        del self.buffers[len(tensors) :]  # a state with fewer tensors than the last one (never in a run)
+        return copies
 
-    def no_room(self, state: Any) -> str | None:
-        """Why the host cannot hold this state's copy beside what it has, or None. The buffers
+    def no_room(self, tensors: list[torch.Tensor]) -> str | None:
+        """Why the host cannot hold these tensors' copy beside what it has, or None. The buffers
         already held count as room; the rest must be at most half of what is available."""
-        needed = sum(t.numel() * t.element_size() for t in device_tensors(state))
+        needed = sum(t.numel() * t.element_size() for t in tensors)
         held = sum(t.numel() * t.element_size() for t in self.buffers)
         available = self.available()
         if not needed or available is None or 2 * (needed - held) <= available:
@@ -176,16 +169,16 @@ class HostStaging:
         return fresh
 
 
-def device_tensors(value: Any) -> Iterator[torch.Tensor]:
+def map_device_tensors(value: Any, change: Callable[[torch.Tensor], Any]) -> Any:
+    """`value` with each tensor not on the host replaced by change(tensor), in order (dicts, lists
+    and tuples rebuilt, everything else as it is)."""
     if isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
-            yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from device_tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from device_tensors(item)
+        return change(value) if value.device.type != "cpu" else value
+    if isinstance(value, dict):
+        return {key: map_device_tensors(item, change) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_device_tensors(item, change) for item in value)
+    return value
 
 
 def available_host_memory() -> int | None:
