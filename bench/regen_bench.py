@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.trainer_bench import SHAPES, build_target
 from trainer.config import DataConfig
 from trainer.data.chat import ChatFormat, Example, regenerate, tokenize_stream
+from trainer.data.decode import StaticDecoder
 from trainer.data.regen import DataIndex, RegenSettings, continuous_generate, static_generate
 from trainer.data.regen_worker import Job, run_worker_processes
 from trainer.model import compile_cache
@@ -167,27 +168,27 @@ def timed(name, device, run, prompts, limit, profile=False) -> None:
 
 
 @contextlib.contextmanager
-def batch_times(target, device):
-    """Records (rows, width, seconds) of every `generate` call made inside the block."""
+def batch_times(device):
+    """Records (rows, width, seconds) of every batch the static engine decodes inside the block."""
     batches: list[tuple[int, int, float]] = []
-    plain = target.generate
+    plain = StaticDecoder.decode
 
-    def timed_generate(*args, **kwargs):
+    def timed_decode(self, ids, *args, **kwargs):
         synchronize(device)
         began = time.perf_counter()
-        output = plain(*args, **kwargs)
+        output = plain(self, ids, *args, **kwargs)
         synchronize(device)
-        batches.append((*kwargs["input_ids"].shape, time.perf_counter() - began))
+        batches.append((*ids.shape, time.perf_counter() - began))
         rows, width, seconds = batches[-1]
         # A first pass can outlast a machine's time: each batch as it ends shows how far it got.
         print(f"      batch {len(batches)}: {rows} rows x width {width} in {seconds:.1f} s", flush=True)
         return output
 
-    target.generate = timed_generate
+    StaticDecoder.decode = timed_decode
     try:
         yield batches
     finally:
-        del target.generate
+        StaticDecoder.decode = plain
 
 
 def print_batches(batches) -> None:
@@ -449,7 +450,7 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
 
                     for attempt in (1, 2):  # the first pass compiles each new shape
                         name = f"{row} B{batch_size} pass {attempt}"
-                        with batch_times(target, device) as batches:
+                        with batch_times(device) as batches:
                             timed(name, device, run, prompts, limit, args.profile and attempt == 2)
                         if attempt == 2:
                             print_batches(batches)

@@ -166,20 +166,19 @@ def test_two_workers_share_the_shards_and_merge_in_the_input_order(
     second = load_target(embedded[0], "cpu", "float32")
     calls = {id(tiny[0]): 0, id(second): 0}
     threads_seen = set()
-    for target in (tiny[0], second):
 
-        def counted(*args, _target=target, _generate=target.generate, **kwargs):
-            calls[id(_target)] += 1
-            threads_seen.add(threading.get_ident())
-            return _generate(*args, **kwargs)
+    def counted(target, _args):
+        calls[id(target)] += 1
+        threads_seen.add(threading.get_ident())
 
-        target.generate = counted
+    hooks = [target.register_forward_pre_hook(counted) for target in (tiny[0], second)]
     try:
         regen = regeneration(tmp_path, data, tiny)
         regen.prepare()
         assert generate_all(regen, [tiny[0], second])
     finally:
-        del tiny[0].generate
+        for hook in hooks:
+            hook.remove()
     assert all(count > 0 for count in calls.values()), calls
     assert len(threads_seen) == 2
     assert regenerated(regen) == reference
@@ -530,25 +529,30 @@ def test_a_cache_that_cannot_be_written_is_one_clear_error(tmp_path, tiny, data_
 
 
 def test_each_batch_gets_a_static_cache_of_its_own_width(tiny, monkeypatch):
-    """A long prompt does not make later batches attend over its cache: before every `generate`
-    the static engine lets the cache be sized to that batch, whatever earlier calls needed."""
-    from trainer.data.regen import static_generate
+    """A long prompt does not make later batches attend over its cache: every batch decodes over a
+    static cache of its own width plus the new tokens, and a batch of the same shape as the one
+    before reuses that cache (emptied) instead of taking more memory."""
+    from trainer.data.decode import StaticDecoder
+    from trainer.data.regen import bucket_width, static_generate
 
     target, tokenizer, chat = tiny
     prompts = [[5] * 40, [6] * 3, [7] * 4]  # one long, two short; batches of one
-    cache_lengths_before_call = []
-    generate = target.generate
+    caches = []
+    static_cache = StaticDecoder.static_cache
 
-    def recording_generate(**kwargs):
-        cache_lengths_before_call.append(getattr(target, "_previous_max_cache_length", -1))
-        return generate(**kwargs)
+    def recording_static_cache(self, rows, length):
+        cache = static_cache(self, rows, length)
+        caches.append((rows, length, cache, int(cache.get_seq_length())))
+        return cache
 
-    monkeypatch.setattr(target, "generate", recording_generate)
-    target._previous_max_cache_length = 10_000  # as a long batch of an earlier call leaves it
+    monkeypatch.setattr(StaticDecoder, "static_cache", recording_static_cache)
     pad_id = tokenizer.pad_token_id
     answers = static_generate(target, prompts, settings(batch_size=1), chat, pad_id, lambda: False)
     assert len(answers) == 3 and all(answers)
-    assert cache_lengths_before_call == [-1, -1, -1]
+    short, long = bucket_width(4, 8) + NEW_TOKENS, bucket_width(40, 8) + NEW_TOKENS
+    assert [(rows, length) for rows, length, _, _ in caches] == [(1, short), (1, short), (1, long)]
+    assert caches[0][2] is caches[1][2] and caches[2][2] is not caches[0][2]  # the same shape's reused
+    assert [seen for *_, seen in caches] == [0, 0, 0]  # each batch starts from an empty cache
 
 
 def test_batched_tokenizing_equals_tokenizing_message_by_message(tmp_path, embedded, tiny):

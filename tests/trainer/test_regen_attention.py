@@ -55,20 +55,14 @@ def test_flex_attention_prefills_at_least_128_tokens_and_other_attentions_any_wi
 
 def decode(target, chat, pad_id, prompts, attention=None):
     seen = []
-    generate = target.generate
-
-    def recording_generate(**kwargs):
-        seen.append(target.config._attn_implementation)
-        return generate(**kwargs)
-
-    target.generate = recording_generate
+    hook = target.register_forward_pre_hook(lambda *_: seen.append(target.config._attn_implementation))
     try:
         changes = {"attention": attention} if attention else {}
         answers = static_generate(
             target, prompts, settings(batch_size=4, **changes), chat, pad_id, lambda: False
         )
     finally:
-        del target.generate
+        hook.remove()
     return answers, seen
 
 

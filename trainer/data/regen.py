@@ -50,6 +50,7 @@ from .chat import (
     prompt_ids,
     tokenize_stream,
 )
+from .decode import StaticDecoder
 
 REGEN_FORMAT = 2
 ENGINES = ("static", "continuous")
@@ -209,18 +210,6 @@ def bucket_width(longest: int, min_width: int) -> int:
     return width
 
 
-def size_cache_to_batch(target) -> None:
-    """Let the next `generate` size its static cache to this batch (width + new tokens).
-
-    Transformers keeps the longest static cache any earlier call needed, so one long prompt makes
-    every later batch attend over (and read) the whole of that cache at every decode step. Measured
-    on one H200 at the Qwen3-8B shape, batch 128, 128-token prompts, compiled: 13.6 ms a decode step
-    with a 161-token cache, 105 ms with a 2,304-token one. Each cache length compiles once; widths
-    are bucketed (bucket_width), so a data set has a handful."""
-    if hasattr(target, "_previous_max_cache_length"):
-        target._previous_max_cache_length = -1
-
-
 def rows_per_batch(width: int, settings: RegenSettings) -> int:
     """Prompts in one batch of this width: the largest power of two whose KV cache, rows x (width +
     new tokens), fits in batch_tokens, at most batch_size, at least one. A decode step reads every
@@ -305,28 +294,41 @@ def attention_of(target, name: str | None):
 
 
 def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> list[list[int]] | None:
-    """`generate` with a static cache over left-padded batches of similar length (static_batches).
-    Each compiled shape is a (rows, width) pair: when compiling, a batch that is not full is filled
-    with copies of its last prompt up to compiled_rows (their answers are dropped), so a whole data
-    set compiles a handful of shapes. None if a stop came between batches."""
-    from transformers import CompileConfig, GenerationConfig
-
+    """Greedy answers over a static KV cache, batch by batch (static_batches), decoded by
+    StaticDecoder (trainer/data/decode.py): compiled on CUDA, one CUDA graph per (rows, width)
+    shape; a batch that is not full is then filled with copies of its last prompt up to
+    compiled_rows (their answers are dropped), so a whole data set compiles a handful of shapes.
+    Uncompiled (data.regen_compile: false) it is `generate` with the dynamic cache, the faster one
+    eagerly (H200: 775 tok/s dynamic against 1,366 static once compiled). None if a stop came
+    between batches."""
     device = next(target.parameters()).device
     compiled = settings.compile and device.type == "cuda"
-    # Uncompiled (data.regen_compile: false) the dynamic cache is the faster one (H200: 775 tok/s
-    # dynamic; the static cache pays off once compiled, 1,366).
-    cache = "static" if settings.compile else None
-    config = GenerationConfig(
-        max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=chat.end_id,
-        pad_token_id=pad_id, cache_implementation=cache, disable_compile=not compiled,
-        # One graph (and CUDA graph) per (rows, width) shape; with dynamic=None the second shape
-        # would recompile the decode step for dynamic shapes instead.
-        compile_config=CompileConfig(dynamic=False),
-    )  # fmt: skip
     attention = decode_attention(settings, compiled)
     settings = widths_for(settings, attention)
+    if settings.compile:
+        decoder = StaticDecoder(target, compiled)
+
+        def decode(ids, mask):
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return decoder.decode(ids, mask, settings.max_new_tokens, chat.end_id)
+    else:
+        decode = dynamic_decoder(target, settings, chat.end_id, pad_id)
     with attention_of(target, attention):
-        return generate_batches(target, prompts, settings, config, pad_id, chat.end_id, should_stop, compiled)
+        return decode_batches(prompts, settings, decode, device, pad_id, chat.end_id, should_stop, compiled)
+
+
+def dynamic_decoder(target, settings, end_id: int, pad_id: int):
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=settings.max_new_tokens, do_sample=False, eos_token_id=end_id, pad_token_id=pad_id
+    )
+
+    def decode(ids, mask):
+        output = target.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        return output[:, ids.shape[1] :]
+
+    return decode
 
 
 def widths_for(settings: RegenSettings, attention: str | None) -> RegenSettings:
@@ -338,8 +340,7 @@ def widths_for(settings: RegenSettings, attention: str | None) -> RegenSettings:
     return settings
 
 
-def generate_batches(target, prompts, settings, config, pad_id, end_id, should_stop, compiled):
-    device = next(target.parameters()).device
+def decode_batches(prompts, settings, decode, device, pad_id, end_id, should_stop, compiled):
     answers: list[list[int]] = [[] for _ in prompts]
     for width, chunk in static_batches(prompts, settings):
         if should_stop():
@@ -349,12 +350,8 @@ def generate_batches(target, prompts, settings, config, pad_id, end_id, should_s
             rows += [rows[-1]] * (compiled_rows(len(rows), width, settings) - len(rows))
         ids = torch.tensor([[pad_id] * (width - len(row)) + row for row in rows])
         mask = (torch.arange(width) >= width - torch.tensor([len(row) for row in rows])[:, None]).long()
-        size_cache_to_batch(target)
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            output = target.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
-            )
-        for i, row in zip(chunk, output[: len(chunk), width:].tolist(), strict=True):
+        output = decode(ids.to(device), mask.to(device))
+        for i, row in zip(chunk, output[: len(chunk)].tolist(), strict=True):
             answers[i] = cut_answer(row, end_id)
     return answers
 
