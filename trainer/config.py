@@ -102,9 +102,10 @@ class CompileConfig:
     """Inductor's triton.cudagraph_trees (only matters when CUDA graphs are on)."""
     scope: Literal["layers", "objective"] = "layers"
     """layers: compile one drafter layer (its compiled code serves every layer, so the cold start
-    does not grow with the layer count) and one loss chunk; objective: the whole training forward
-    as one graph (more fusion across layers, but compile time grows with every layer: measured on
-    an H200 at the Qwen3-8B shape, 232 s to the first step for 5 layers)."""
+    does not grow with the layer count), one loss chunk and, where the target is compiled, one
+    target layer the same way; objective: the whole training forward as one graph, and the
+    target's feature forward as another (more fusion across layers, but compile time grows with
+    every layer: measured on an H200 at the Qwen3-8B shape, 232 s to the first step for 5 layers)."""
     target: Literal["auto", "on", "off"] = "auto"
     """Compile the target's feature forward too (with this mode's options, never CUDA graphs).
     auto: on CUDA devices only; on the CPU its compile costs more than it saves for the small

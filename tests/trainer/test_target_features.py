@@ -85,6 +85,42 @@ def test_compiled_reader_matches_eager(target):
         torch.testing.assert_close(compiled(x), reader(x), rtol=1e-5, atol=1e-5)
 
 
+def compiled_layer_by_layer(target, layer_ids, x):
+    """(eager features, compiled features, graphs Dynamo compiled) of a reader of these layers."""
+    from torch._dynamo.utils import counters
+
+    reader = FeatureReader(target, layer_ids)
+    with torch.no_grad():
+        eager = reader(x)
+        torch._dynamo.reset()
+        counters.clear()
+        reader.compile_layers(dynamic=False, options={"triton.cudagraphs": False})
+        compiled = [reader(x), reader(x)]  # the second call runs the compiled code again
+    assert all(isinstance(layer, torch._dynamo.eval_frame.OptimizedModule) for layer in reader.base.layers)
+    return eager, compiled, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+def test_a_reader_compiled_layer_by_layer_matches_eager_and_leaves_the_target_as_it_was(target):
+    """compile.scope layers: one compiled region per layer, in the reader's own view. Dynamo
+    compiles as many graphs for the whole target as for two of its layers (the layers share
+    them); the target's own layers (the regeneration decodes with them) stay uncompiled."""
+    layers = len(target.base_model.layers)
+    x = ids(target)
+    graphs = {}
+    for name, layer_ids in {"two layers": [0, 1], "whole": [0, layers - 1]}.items():
+        eager, compiled, graphs[name] = compiled_layer_by_layer(target, layer_ids, x)
+        for features in compiled:
+            torch.testing.assert_close(features, eager, rtol=1e-5, atol=1e-5)
+    assert graphs["whole"] == graphs["two layers"] > 0
+    assert not any(
+        isinstance(layer, torch._dynamo.eval_frame.OptimizedModule) for layer in target.base_model.layers
+    )
+    out = target(input_ids=x, output_hidden_states=True, use_cache=False)
+    assert len(out.hidden_states) == layers + 1  # still every layer once
+    assert torch.equal(out.hidden_states[-1], whole_target_features(target, x, [layers - 1]))
+
+
 @pytest.mark.unit
 def test_causal_attention_gives_the_features_and_greedy_tokens_of_the_targets_own(embedded):
     """Rows of one conversation each, right-padded as evaluation pads them: the causal attention

@@ -106,6 +106,14 @@ def layers_up_to(target, last_layer: int):
     base = target.base_model
     if last_layer >= len(base.layers) - 1:
         return base
+    # The model's last hidden state is reported after its final norm; in the whole target that is
+    # the last layer's, which the cut model's last layer is not.
+    return model_view(base, list(base.layers)[: last_layer + 1], norm=torch.nn.Identity())
+
+
+def model_view(base, layers: list, norm=None):
+    """A shallow copy of the base model running these layers (and this final norm; None: its own),
+    sharing every weight, buffer and hook with it."""
     # Transformers records hidden states through hooks it installs on the layers the first time a
     # model is asked for them, and marks that model as hooked. Ask the whole model first, so the view
     # copies the mark and never installs a second set on the layers it shares (which would record
@@ -116,10 +124,9 @@ def layers_up_to(target, last_layer: int):
         base(input_ids=one_token, output_hidden_states=True, use_cache=False)
     view = copy.copy(base)  # a shallow copy: parameters, buffers and hooks are shared, not copied
     view._modules = dict(base._modules)
-    view._modules["layers"] = torch.nn.ModuleList(list(base.layers)[: last_layer + 1])
-    # The model's last hidden state is reported after its final norm; in the whole target that is
-    # the last layer's, which the cut model's last layer is not.
-    view._modules["norm"] = torch.nn.Identity()
+    view._modules["layers"] = torch.nn.ModuleList(layers)
+    if norm is not None:
+        view._modules["norm"] = norm
     return view
 
 
@@ -138,6 +145,14 @@ class FeatureReader(torch.nn.Module):
         self.layer_ids = list(layer_ids)
         self.base = layers_up_to(target, max(self.layer_ids))
         self.requires_grad_(False)
+
+    def compile_layers(self, **settings) -> None:
+        """Regional compilation: each layer compiled on its own. Every layer runs the same code, so
+        Dynamo traces it once and the other layers reuse it: the cold start pays for one layer, not
+        for the 30-odd of a whole target. The layers are wrapped in this reader's view only; the
+        target's own stay as they were (the regeneration decodes with them)."""
+        layers = [torch.compile(layer, **settings) for layer in self.base.layers]
+        self.base = model_view(self.base, layers)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """position_ids that restart at 0 mark packed conversations: with no attention mask,

@@ -165,7 +165,10 @@ class Replica:
         attend_with(self.target, c.target_attention_of(self.device.type, t.seq_len, t.packing))
         if c.compiles_target(self.device.type):
             target_options = {**settings["options"], "triton.cudagraphs": False}
-            self.read_features = torch.compile(self.features, dynamic=c.dynamic, options=target_options)
+            if c.scope == "layers":
+                self.features.compile_layers(dynamic=c.dynamic, options=target_options)
+            else:
+                self.read_features = torch.compile(self.features, dynamic=c.dynamic, options=target_options)
         if c.scope == "objective":
             self.forward = torch.compile(self.module, **settings)
             return
