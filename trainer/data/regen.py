@@ -13,10 +13,10 @@ shards being generated, and the next start generates only what is missing. The k
 file's bytes (as indexed, in the same pass), the target's and tokenizer's files, the generation
 settings and the dtype.
 
-Engines (data.regen_engine): "static" is `generate` with a static KV cache (compiled on CUDA) over
-left-padded batches of similar length, widths rounded up to min_width x a power of two so few
-shapes compile; "continuous" is transformers' continuous batching (`generate_batch`, paged attention).
-Both are greedy; in float32 both give plain `generate`'s answers token for token.
+Engines (data.regen_engine): "static" decodes greedily over a static KV cache (trainer/data/decode.py,
+compiled on CUDA) left-padded batches of similar length, widths rounded up to min_width x a power of
+two so few shapes compile; "continuous" is transformers' continuous batching (`generate_batch`, paged
+attention). Both are greedy; in float32 both give plain `generate`'s answers token for token.
 """
 
 from __future__ import annotations
