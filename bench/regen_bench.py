@@ -28,9 +28,6 @@ Rows:
 temporary directory, so the first compile is cold) runs the static pass twice: its first pass is
 what a restart or the next GPU's worker pays. The static row's pass 1 is the cold figure, its pass 2
 the steady one.
---decode-shapes dynamic: the engine's compiled decode step traced once for every batch shape instead
-of once per (rows, width), with a CUDA graph still recorded per shape: fewer compiles, against
-kernels that do not know their sizes.
 --chat FILE --target DIR: the prompts of a chat JSONL as the product's stage builds them with that
 target's tokenizer (turns past --seq-len left out; a later turn's prompt holds the file's earlier
 answers cut to the new tokens), answered by that target until its end token: the product's own
@@ -338,10 +335,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--bandwidth-tbs", type=float, default=4.8, help="device memory bandwidth (H200: 4.8)"
     )
-    parser.add_argument(
-        "--decode-shapes", choices=["static", "dynamic"], default="static",
-        help="the compiled decode step: one per batch shape (the product's), or one for every shape",
-    )  # fmt: skip
     parser.add_argument("--workers", default="2", help="workers row: worker processes, a comma list")
     parser.add_argument("--warm", action="store_true", help="then a fresh process over the compile cache")
     parser.add_argument("--compile-cache", help="compile cache root (default: a new temporary directory)")
@@ -393,7 +386,7 @@ def main() -> int:
     def settings_for(batch_size: int) -> RegenSettings:
         return RegenSettings(
             max_new_tokens=new_tokens, batch_size=batch_size, batch_tokens=args.batch_tokens,
-            min_width=args.min_width, compile=not args.no_compile, decode_shapes=args.decode_shapes,
+            min_width=args.min_width, compile=not args.no_compile,
         )  # fmt: skip
 
     root = Path(args.compile_cache or tempfile.mkdtemp(prefix="regen-compile-")).absolute()

@@ -35,13 +35,13 @@ class StaticDecoder:
     process and shape) and the static cache of the last shape (reused, so the step's CUDA graph
     is not recorded again for each batch of that shape)."""
 
-    def __init__(self, target, compiled: bool, dynamic: bool = False):
+    def __init__(self, target, compiled: bool):
         self.target = target
         self.cache_name = cache_keyword(target)
         self.cache = None
         self.cache_shape: tuple[int, int] | None = None
         self.compiled = compiled
-        self.step = compiled_step(dynamic) if compiled else greedy_step
+        self.step = compiled_step() if compiled else greedy_step
 
     def static_cache(self, rows: int, length: int):
         from transformers import StaticCache
@@ -80,17 +80,15 @@ class StaticDecoder:
         return out
 
 
-_COMPILED_STEPS: dict[bool, object] = {}
+_COMPILED_STEP = None
 
 
-def compiled_step(dynamic: bool):
-    """greedy_step compiled once a process (a new torch.compile wrapper would trace again), with
-    static shapes (one graph per shape) or dynamic ones (one graph for all)."""
-    if dynamic not in _COMPILED_STEPS:
-        _COMPILED_STEPS[dynamic] = torch.compile(
-            greedy_step, mode="reduce-overhead", dynamic=dynamic, fullgraph=False
-        )
-    return _COMPILED_STEPS[dynamic]
+def compiled_step():
+    """greedy_step compiled once a process: a new torch.compile wrapper would trace again."""
+    global _COMPILED_STEP
+    if _COMPILED_STEP is None:
+        _COMPILED_STEP = torch.compile(greedy_step, mode="reduce-overhead", dynamic=False, fullgraph=False)
+    return _COMPILED_STEP
 
 
 def cache_keyword(target) -> str:

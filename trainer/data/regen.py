@@ -77,9 +77,6 @@ class RegenSettings:
     # train.seq_len): training cuts every conversation to it, so a later turn would never be seen.
     # None: every turn.
     max_prompt_tokens: int | None = None
-    # "static": the compiled decode step specialised to each (rows, width) shape; "dynamic": one
-    # compiled step for every shape (a CUDA graph is still recorded per shape).
-    decode_shapes: str = "static"
 
     def key_fields(self) -> str:
         # batch_size, batch_tokens, min_width and attention change how, not what (exactly so in
@@ -309,7 +306,7 @@ def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> lis
     attention = decode_attention(settings, compiled)
     settings = widths_for(settings, attention)
     if settings.compile:
-        decoder = StaticDecoder(target, compiled, dynamic=settings.decode_shapes == "dynamic")
+        decoder = StaticDecoder(target, compiled)
 
         def decode(ids, mask):
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
