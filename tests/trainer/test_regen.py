@@ -31,6 +31,7 @@ from trainer.data.regen import (
     Regeneration,
     RegenSettings,
     ShardDamaged,
+    cut_answer,
     export_chat_jsonl,
     file_digest,
     raw_key,
@@ -553,6 +554,29 @@ def test_each_batch_gets_a_static_cache_of_its_own_width(tiny, monkeypatch):
     assert [(rows, length) for rows, length, _, _ in caches] == [(1, short), (1, short), (1, long)]
     assert caches[0][2] is caches[1][2] and caches[2][2] is not caches[0][2]  # the same shape's reused
     assert [seen for *_, seen in caches] == [0, 0, 0]  # each batch starts from an empty cache
+
+
+def test_a_batch_whose_rows_have_all_ended_stops_decoding_at_the_next_check(tiny):
+    """Whether every row has ended is read every STOP_CHECK_EVERY tokens, not every token: a batch
+    whose rows all ended early stops at the next check, and its answers are greedy generate's."""
+    from trainer.data.decode import STOP_CHECK_EVERY, StaticDecoder
+
+    target, _, chat = tiny
+    prompt = chat.text("count to five")
+    ids = torch.tensor([prompt])
+    never = -1
+    decoder = StaticDecoder(target, compiled=False)
+    free_run = decoder.decode(ids, torch.ones_like(ids), 3 * STOP_CHECK_EVERY, never)[0].tolist()
+    assert len(free_run) == 3 * STOP_CHECK_EVERY
+    end_id = free_run[3]  # a token this row makes early on
+    first_end = free_run.index(end_id)
+    out = decoder.decode(ids, torch.ones_like(ids), 3 * STOP_CHECK_EVERY, end_id)
+    assert out.shape[1] == STOP_CHECK_EVERY * (first_end // STOP_CHECK_EVERY + 1)
+    reference = target.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3 * STOP_CHECK_EVERY,
+        do_sample=False, eos_token_id=end_id, pad_token_id=end_id,
+    )[0, ids.shape[1] :].tolist()  # fmt: skip
+    assert cut_answer(out[0].tolist(), end_id) == reference[: reference.index(end_id)]
 
 
 def test_batched_tokenizing_equals_tokenizing_message_by_message(tmp_path, embedded, tiny):
