@@ -140,7 +140,10 @@ def test_status_line_words_every_state() -> None:
     )
     killed = status_report(recorded_state="exited", exit_status=None, exit_reason="killed: ...")
     assert "exit status unknown: killed: ..." in status_line(killed)
-    assert status_line(status_report(state="running")) == "running: nographs as PID 11540"
+    running = status_report(state="running", recorded_state="running")
+    assert status_line(running) == "running: nographs as PID 11540"
+    exiting = status_report(state="running", recorded_state="finished")  # the record written first
+    assert status_line(exiting) == "running: nographs as PID 11540, exiting (its run record says finished)"
     assert status_line(status_report(state="not_ours")).startswith("not ours: PID 11540 now belongs")
     assert status_line({"state": "none"}) == "no run recorded"
 
@@ -161,7 +164,8 @@ def test_status_block_lines_in_order_with_curves_and_the_gpu_note() -> None:
 
 def test_status_block_of_a_fresh_run_with_gpus_and_a_repaired_cache() -> None:
     report = status_report(
-        state="running", repaired="the controller's cache had no run; ...", last_checkpoint=None,
+        state="running", recorded_state="running", repaired="the controller's cache had no run; ...",
+        last_checkpoint=None,
         last_eval=None, last_progress=None, log=None, gpus=[{"index": 0}],
     )  # fmt: skip
     lines = status_block(report, "ct200", None, ["gpu 0   H200  0 %"])

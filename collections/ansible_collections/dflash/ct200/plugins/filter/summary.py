@@ -75,6 +75,9 @@ def launch_summary(launches: list[dict], endpoint: str = "", inventory: str = ""
     return lines
 
 
+RECORDED_ENDS = ("finished", "stopped", "failed", "crashed")
+
+
 def status_line(report: dict) -> str:
     """One line for a host's state in role run_status's report (state, run, pid, recorded_state,
     exit_status, exit_reason)."""
@@ -83,6 +86,10 @@ def status_line(report: dict) -> str:
         follows = "no training follows" if report.get("data_only") else "training follows"
         return f"regenerating: {run} as PID {pid} (the target regenerates its data; {follows})"
     if state == "running":
+        ended = report.get("recorded_state")
+        if ended in RECORDED_ENDS:
+            # The run record is written before the process ends: between the two it still runs.
+            return f"running: {run} as PID {pid}, exiting (its run record says {ended})"
         return f"running: {run} as PID {pid}"
     if state == "exited":
         status = report.get("exit_status")
