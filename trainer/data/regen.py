@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ..config import FLEX_MIN_LEN
+from ..model.target import attention_of
 from .chat import (
     MAX_LINE_BYTES,
     ChatFormat,
@@ -277,20 +278,6 @@ def decode_attention(settings: RegenSettings, compiled: bool) -> str | None:
     if settings.attention == "auto":
         return "flex_attention" if compiled else None
     return settings.attention
-
-
-@contextlib.contextmanager
-def attention_of(target, name: str | None):
-    """The target decodes with this attention inside the block, its own again after it."""
-    before = target.config._attn_implementation
-    if name is None or name == before:
-        yield
-        return
-    target.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        target.set_attn_implementation(before)
 
 
 def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> list[list[int]] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
@@ -98,6 +99,20 @@ def attend_with(target, attention: str) -> None:
 
         AttentionInterface.register(CAUSAL_ATTENTION, causal_attention)
         target.set_attn_implementation(CAUSAL_ATTENTION)
+
+
+@contextlib.contextmanager
+def attention_of(target, name: str | None):
+    """The target decodes with this attention inside the block, its own again after it."""
+    before = target.config._attn_implementation
+    if name is None or name == before:
+        yield
+        return
+    target.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        target.set_attn_implementation(before)
 
 
 def layers_up_to(target, last_layer: int):
