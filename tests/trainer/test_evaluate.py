@@ -142,3 +142,33 @@ def test_bucketed_padding_changes_no_result(target):
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23]]
     args = (drafter, target, prompts, layers, BLOCK, MASK_ID, 40, NO_EOS, CPU)
     assert speculative_generate(*args, pad_buckets=True) == speculative_generate(*args)
+
+
+def test_a_target_on_flex_attention_verifies_on_sdpa_and_gets_flex_back(target):
+    """Evaluation runs uncompiled, where flex attention would materialise every row's whole score
+    matrix: the target verifies on SDPA (the same tau), then has flex attention again, also when
+    the evaluation ends in an error."""
+    layers = target_layer_ids(5, 2)
+    drafter = DFlashDrafter(DrafterShape.from_target(target.config, 1, len(layers)), shared_parts(target))
+    drafter.reset_parameters(std=0.3)
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12, 13]]
+    args = (target, prompts, layers, BLOCK, MASK_ID, 12, NO_EOS, CPU)
+    own = target.config._attn_implementation
+    plain_tau = acceptance_length(drafter, *args)
+    seen = []
+    hook = target.register_forward_pre_hook(lambda *_: seen.append(target.config._attn_implementation))
+    target.set_attn_implementation("flex_attention")
+    try:
+        assert acceptance_length(drafter, *args) == plain_tau
+        assert seen and set(seen) == {"sdpa"}
+        assert target.config._attn_implementation == "flex_attention"
+
+        def stop_with_an_error():
+            raise RuntimeError("a stop that fails")
+
+        with pytest.raises(RuntimeError, match="a stop that fails"):
+            acceptance_length(drafter, *args, should_stop=stop_with_an_error)
+        assert target.config._attn_implementation == "flex_attention"
+    finally:
+        hook.remove()
+        target.set_attn_implementation(own)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from .objective import block_attention_mask
-from .target import target_features_and_next
+from .target import attention_of, target_features_and_next
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -132,6 +132,15 @@ def speculative_generate(
     return generated, accepted_per_step
 
 
+def eager_attention(target) -> str | None:
+    """The attention the target verifies with, uncompiled. Flex attention (the target's for packed
+    rows in training) runs uncompiled here: force_eager reaches transformers' compiled flex call too,
+    and its unfused fallback materialises every row's whole score matrix (rows x heads x length^2).
+    SDPA's causal kernels read right-padded rows of one conversation each as they are. None keeps
+    the target's own (sdpa, or the causal kernel, already fine uncompiled)."""
+    return "sdpa" if target.config._attn_implementation == "flex_attention" else None
+
+
 def acceptance_length(
     drafter,
     target,
@@ -152,7 +161,7 @@ def acceptance_length(
     drafter.eval()
     stance = contextlib.nullcontext() if pad_buckets else torch.compiler.set_stance("force_eager")
     try:
-        with stance:
+        with stance, attention_of(target, eager_attention(target)):
             result = speculative_generate(
                 drafter,
                 target,
