@@ -103,7 +103,7 @@ def attend_with(target, attention: str) -> None:
 
 @contextlib.contextmanager
 def attention_of(target, name: str | None):
-    """The target decodes with this attention inside the block, its own again after it."""
+    """The target runs this attention inside the block (None: its own), its own again after it."""
     before = target.config._attn_implementation
     if name is None or name == before:
         yield

@@ -590,7 +590,7 @@ def training_loop(run: Run, step: int) -> int:
     total = cfg.train.steps
     # The step-0 evaluation of a fresh start runs after the first step's progress line, on a copy
     # of the step-0 weights: launch.yml waits for that line, and the recipe's evaluation (32 prompts
-    # of 256 new tokens, an untrained drafter needing a verify step a token) takes about a minute.
+    # of 256 new tokens, an untrained drafter needing a verify step a token) takes minutes.
     initial = host_copy(run.models.replicas[0].drafter) if run.tau0 is None and step == 0 else None
     if run.tau0 is None and initial is None:  # a resumed run whose step-0 evaluation did not finish
         run.tau0, run.tau0_step = run.evaluate(step), step
