@@ -24,6 +24,10 @@ Rows:
   workers     the product's stage machinery (trainer/data/regen_worker.py): N worker processes on the
               one device, the prompts split N ways (prompt i to worker i mod N), each building the
               target and compiling over the compile cache, timed twice; one row per --workers entry
+--decode-scope step,layers: a static (and --warm) row for each of data.regen_compile_scope's
+              values: the whole decode step compiled as CUDA graphs, or each target layer compiled
+              on its own (one compile shared by the layers, no CUDA graphs); each pass says how
+              many graphs Dynamo compiled in it
 --warm: after the rows, a fresh process over the same compile cache (--compile-cache, default a new
 temporary directory, so the first compile is cold) runs the static pass twice: its first pass is
 what a restart or the next GPU's worker pays. The static row's pass 1 is the cold figure, its pass 2
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import math
 import random
 import re
@@ -52,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -328,6 +334,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--min-width", type=int, default=64, help="static: widths padded to this x 2^k")
     parser.add_argument("--no-compile", action="store_true", help="static: no compiled decode step")
     parser.add_argument(
+        "--decode-scope", default=DataConfig.regen_compile_scope,
+        help="static: what compiles, 'step' or 'layers' (data.regen_compile_scope); a comma list: each",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="profile each row's last pass: the top operators by device time",
@@ -383,10 +393,12 @@ def main() -> int:
     )
     batch_sizes = [int(size) for size in args.batch_size.split(",")]
 
-    def settings_for(batch_size: int) -> RegenSettings:
+    scopes = args.decode_scope.split(",")
+
+    def settings_for(batch_size: int, scope: str = scopes[0]) -> RegenSettings:
         return RegenSettings(
             max_new_tokens=new_tokens, batch_size=batch_size, batch_tokens=args.batch_tokens,
-            min_width=args.min_width, compile=not args.no_compile,
+            min_width=args.min_width, compile=not args.no_compile, compile_scope=scope,
         )  # fmt: skip
 
     root = Path(args.compile_cache or tempfile.mkdtemp(prefix="regen-compile-")).absolute()
@@ -402,9 +414,10 @@ def main() -> int:
         for workers in [int(n) for n in args.workers.split(",")]:
             print(f"workers: {workers} process(es) on {device}, compile cache {compile_dir}", flush=True)
             worker_rows(prompts, settings, workers, source, device, compile_dir, 2, f"workers x{workers}")
-    if args.warm:
+    for scope in scopes if args.warm else []:
         print(f"warm: a fresh process over the compile cache {compile_dir}", flush=True)
-        worker_rows(prompts, settings, 1, source, device, compile_dir, 2, "warm (fresh process)")
+        name = "warm (fresh process)" if len(scopes) == 1 else f"warm {scope} (fresh process)"
+        worker_rows(prompts, settings_for(batch_sizes[0], scope), 1, source, device, compile_dir, 2, name)
     return 0
 
 
@@ -435,8 +448,9 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
                 )
                 timed("continuous (defaults)", device, run, prompts, limit, args.profile)
             elif row in ("static", "shards"):
-                for batch_size in batch_sizes:
-                    static = settings_for(batch_size)
+                scopes = args.decode_scope.split(",")
+                for scope, batch_size in itertools.product(scopes, batch_sizes):
+                    static = settings_for(batch_size, scope)
                     calls = source.calls if row == "shards" else [prompts]
                     limit = memory_bound_tokens_per_s(
                         target, prompts, new_tokens, min(batch_size, len(prompts)), args.bandwidth_tbs
@@ -449,9 +463,11 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
                         return answers
 
                     for attempt in (1, 2):  # the first pass compiles each new shape
-                        name = f"{row} B{batch_size} pass {attempt}"
+                        name = f"{row} B{batch_size}{'' if len(scopes) == 1 else ' ' + scope} pass {attempt}"
+                        graphs = counters["stats"]["unique_graphs"]
                         with batch_times(device) as batches:
                             timed(name, device, run, prompts, limit, args.profile and attempt == 2)
+                        print(f"    Dynamo compiled {counters['stats']['unique_graphs'] - graphs} graph(s)")
                         if attempt == 2:
                             print_batches(batches)
 

@@ -308,8 +308,14 @@ class DataConfig:
     ...), so only a few shapes compile; a batch that is not full is filled up when compiled. With
     flex attention widths start at 128 at least (a shorter prefill has no flex kernel on CUDA)."""
     regen_compile: bool = True
-    """Static engine on CUDA: compile the decode step (transformers' own auto-compile), in every
-    worker process (one per device), over the compile cache under data.cache_dir (docs/DATA.md)."""
+    """Static engine on CUDA: compile the decode step (trainer/data/decode.py), in every worker
+    process (one per device), over the compile cache under data.cache_dir (docs/DATA.md)."""
+    regen_compile_scope: str = "step"
+    """What regen_compile compiles: 'step', the target's whole forward and the argmax as one CUDA
+    graph per batch shape (60-90 s to compile each shape at the Qwen3-8B shape on an H200);
+    'layers', each decoder layer on its own, one compile shared by all layers, no CUDA graphs
+    (18-32 s a shape, but decoding 2.4x slower: each step waits on the host; docs/PERFORMANCE.md).
+    'layers' pays off only for a data set that decodes in less time than its shapes compile."""
     regen_attention: str = "auto"
     """Static engine: the attention the target decodes with ('auto', 'sdpa', 'flex_attention',
     'eager'). 'auto' is flex attention when compiled on CUDA (it reads the grouped-query KV cache
@@ -328,6 +334,9 @@ class DataConfig:
         if self.regen_attention not in REGEN_ATTENTIONS:
             names = ", ".join(REGEN_ATTENTIONS)
             out.append(f"data.regen_attention must be one of {names}, got {self.regen_attention!r}")
+        if self.regen_compile_scope not in ("step", "layers"):
+            scope = self.regen_compile_scope
+            out.append(f"data.regen_compile_scope must be 'step' or 'layers', got {scope!r}")
         if self.regen_engine not in ("static", "continuous"):
             out.append(f"data.regen_engine must be 'static' or 'continuous', got {self.regen_engine!r}")
         if not self.regen_progress_every_s > 0:

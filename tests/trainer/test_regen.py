@@ -579,6 +579,36 @@ def test_a_batch_whose_rows_have_all_ended_stops_decoding_at_the_next_check(tiny
     assert cut_answer(out[0].tolist(), end_id) == reference[: reference.index(end_id)]
 
 
+def test_layer_compiled_decoding_gives_the_uncompiled_answers_with_one_compile_for_all_layers(tiny):
+    """data.regen_compile_scope: layers: each decoder layer compiled on its own, handed its part of
+    the KV cache, so Dynamo's one trace of a shape serves every layer (with the whole cache each
+    layer compiled again for its index, past Dynamo's limit). Left-padded rows get the uncompiled
+    loop's answers; the target's own layers stay uncompiled."""
+    from torch._dynamo.utils import counters
+
+    from trainer.data.decode import StaticDecoder
+
+    target, tokenizer, chat = tiny
+    layers = len(target.model.layers)
+    assert layers >= 2
+    short, long = chat.text("count to five"), chat.text("name three colours and then count to ten")
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (len(long) - len(short)) + short, long])
+    mask = (ids != pad).long()
+    mask[1] = 1
+    never = -1
+    expected = StaticDecoder(target, compiled=False).decode(ids, mask, 6, never)
+    graphs = counters["stats"]["unique_graphs"]
+    decoder = StaticDecoder(target, compiled=True, scope="layers")
+    assert torch.equal(decoder.decode(ids, mask, 6, never), expected)
+    assert torch.equal(decoder.decode(ids, mask, 6, never), expected)  # a second batch: no compile
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # one decode-step shape, every layer
+    compiled = torch._dynamo.eval_frame.OptimizedModule
+    assert not any(isinstance(layer, compiled) for layer in target.model.layers)  # the target's own
+    with pytest.raises(ValueError, match="decode compile scope must be one of step, layers, got 'all'"):
+        StaticDecoder(target, compiled=True, scope="all")
+
+
 def test_batched_tokenizing_equals_tokenizing_message_by_message(tmp_path, embedded, tiny):
     """tokenize_stream encodes a chunk of conversations per tokenizer call: the same ids, in the
     same order, as one call per message, across chunk boundaries, for an empty message and for one

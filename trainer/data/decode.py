@@ -4,8 +4,12 @@ transformers' `generate` spends host time on every token: it rebuilds the attent
 the inputs, runs its logits processors and stopping criteria and reads two device flags (whether
 every row has ended), so the GPU waits for the host a quarter to half of each decode step
 (docs/PERFORMANCE.md: 22.4 ms a token at 256 rows x 128 with 16.2 ms of kernels). Here a decode
-step is the target's forward and the argmax, compiled as one CUDA graph per (rows, cache length);
-the mask covers the whole cache from the start (the cache's own position makes it causal), so
+step is the target's forward and the argmax, compiled one of two ways (data.regen_compile_scope):
+"step", the whole step as one CUDA graph per (rows, cache length), about a minute to compile
+each shape at the Qwen3-8B shape; or "layers", each decoder layer compiled on its own with one
+compile shared by them all and no CUDA graphs: a shape compiles in a third of the time, but each
+step then waits on the host (one H200, Qwen3-8B shape: 2.4x slower; docs/PERFORMANCE.md). The
+mask covers the whole cache from the start (the cache's own position makes it causal), so
 nothing between steps depends on the step; and whether every row has ended is read once every
 STOP_CHECK_EVERY tokens. The host queues steps ahead of the GPU.
 
@@ -15,12 +19,15 @@ and a row that has ended keeps decoding tokens that cut_answer drops at its end 
 
 from __future__ import annotations
 
+import copy
 import inspect
+import weakref
 
 import torch
 
 # A batch ends this many steps at most after its last row has: each check waits for the GPU.
 STOP_CHECK_EVERY = 16
+SCOPES = ("step", "layers")
 
 
 def greedy_step(target, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: dict):
@@ -33,15 +40,20 @@ def greedy_step(target, tokens: torch.Tensor, positions: torch.Tensor, mask: tor
 class StaticDecoder:
     """Decodes batch after batch with one target. Keeps the compiled step (compiled once per
     process and shape) and the static cache of the last shape (reused, so the step's CUDA graph
-    is not recorded again for each batch of that shape)."""
+    is not recorded again for each batch of that shape). scope: "step" or "layers" (the module's
+    docstring; data.regen_compile_scope)."""
 
-    def __init__(self, target, compiled: bool):
+    def __init__(self, target, compiled: bool, scope: str = "step"):
+        if scope not in SCOPES:
+            raise ValueError(f"decode compile scope must be one of {', '.join(SCOPES)}, got {scope!r}")
         self.target = target
         self.cache_name = cache_keyword(target)
         self.cache = None
         self.cache_shape: tuple[int, int] | None = None
-        self.compiled = compiled
-        self.step = compiled_step() if compiled else greedy_step
+        self.graphed = compiled and scope == "step"
+        self.step = compiled_step() if self.graphed else greedy_step
+        # The model each step runs: the target, or its view with compiled layers.
+        self.stepper = layers_compiled(target, self.cache_name) if compiled and scope == "layers" else target
 
     def static_cache(self, rows: int, length: int):
         from transformers import StaticCache
@@ -73,9 +85,9 @@ class StaticDecoder:
         for i in range(1, new_tokens):
             if i % STOP_CHECK_EVERY == 0 and bool((out[:, :i] == end_id).any(-1).all()):
                 return out[:, :i]
-            if self.compiled:
+            if self.graphed:
                 torch.compiler.cudagraph_mark_step_begin()
-            out[:, i] = self.step(self.target, out[:, i - 1 : i], positions, full_mask, cache)
+            out[:, i] = self.step(self.stepper, out[:, i - 1 : i], positions, full_mask, cache)
             positions = positions + 1
         return out
 
@@ -89,6 +101,56 @@ def compiled_step():
     if _COMPILED_STEP is None:
         _COMPILED_STEP = torch.compile(greedy_step, mode="reduce-overhead", dynamic=False, fullgraph=False)
     return _COMPILED_STEP
+
+
+class LayerCache:
+    """One layer's part of a KV cache, as a decoder layer uses it: its `update` (transformers'
+    Cache.update without the layer index, which picks the part). Each compiled layer is handed its
+    own, so no compiled code reads the layer index, and Dynamo's one trace serves every layer; with
+    the whole cache each layer would compile again for its index."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+
+class CompiledLayer(torch.nn.Module):
+    """A decoder layer compiled on its own, handed its part of the KV cache."""
+
+    def __init__(self, layer, index: int, cache_name: str):
+        super().__init__()
+        self.compiled = torch.compile(layer, dynamic=False)
+        self.index = index
+        self.cache_name = cache_name
+
+    def forward(self, hidden_states, **kwargs):
+        cache = kwargs.get(self.cache_name)
+        if cache is not None:
+            kwargs[self.cache_name] = LayerCache(cache.layers[self.index])
+        return self.compiled(hidden_states, **kwargs)
+
+
+_LAYER_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def layers_compiled(target, cache_name: str):
+    """A view of the target whose decoder layers run compiled, sharing its weights; one per target
+    and process (a new torch.compile wrapper would trace again). The target's own layers stay
+    uncompiled: the prefill runs them."""
+    view = _LAYER_VIEWS.get(target)
+    if view is None:
+        base = getattr(target, target.base_model_prefix)
+        layers = [CompiledLayer(layer, i, cache_name) for i, layer in enumerate(base.layers)]
+        inner = copy.copy(base)  # shallow: parameters, buffers and config are shared, not copied
+        inner._modules = dict(base._modules)
+        inner._modules["layers"] = torch.nn.ModuleList(layers)
+        view = copy.copy(target)
+        view._modules = dict(target._modules)
+        view._modules[target.base_model_prefix] = inner
+        _LAYER_VIEWS[target] = view
+    return view
 
 
 def cache_keyword(target) -> str:

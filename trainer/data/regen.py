@@ -72,6 +72,7 @@ class RegenSettings:
     batch_tokens: int = 131072
     min_width: int = 64
     compile: bool = True
+    compile_scope: str = "step"
     attention: str = "auto"
     dtype: str = "float32"
     # A turn is generated only while the conversation before it is shorter than this (the run's
@@ -80,8 +81,8 @@ class RegenSettings:
     max_prompt_tokens: int | None = None
 
     def key_fields(self) -> str:
-        # batch_size, batch_tokens, min_width and attention change how, not what (exactly so in
-        # float32).
+        # batch_size, batch_tokens, min_width, compile, compile_scope and attention change how, not
+        # what (exactly so in float32).
         fields = f"{REGEN_FORMAT}|{self.max_new_tokens}|{self.engine}|{self.shard_size}|{self.dtype}"
         return fields if self.max_prompt_tokens is None else f"{fields}|before {self.max_prompt_tokens}"
 
@@ -293,7 +294,7 @@ def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> lis
     attention = decode_attention(settings, compiled)
     settings = widths_for(settings, attention)
     if settings.compile:
-        decoder = StaticDecoder(target, compiled)
+        decoder = StaticDecoder(target, compiled, settings.compile_scope)
 
         def decode(ids, mask):
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
