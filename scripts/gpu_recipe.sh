@@ -14,7 +14,10 @@
 #          regen.yml (its compile cache filled where it was not), the shards removed and regen.yml
 #          again over the warm cache, then regen_bench --chat in a fresh process over that cache
 #          (one call, the product's shards and turns as the stage makes them; the file's prompts in
-#          one call). COMPARE_CONVERSATIONS (default 256) in shards of COMPARE_SHARD (default 256).
+#          one call). COMPARE_CONVERSATIONS (default 256) in shards of COMPARE_SHARD (default 256);
+#          COMPARE_ROWS the bench's rows (default shards,static; shards alone skips the one-call
+#          row's compiles); settings the regeneration is given in EXTRA_SET (data.regen_*) go to
+#          the bench too, in COMPARE_BENCH_ARGS (e.g. --decode-scope layers --batch-size 512).
 #          A cold compile takes minutes: run it twice on a machine kept warm if one call ends first.
 # Usage: scripts/gpu_recipe.sh data|train|export|compare|all
 # Each stage fits a device call of ten minutes. On one H200 (2026-12-03, docs/PERFORMANCE.md): data
@@ -211,10 +214,11 @@ stage_compare() {
         grep -E "compile cache|regenerated [0-9]+ conversations" "$log" | tail -n 2 | sed 's/^/   /'
     done
     say "regen_bench: the same file and target, a fresh process over the product's compile cache"
-    python3 bench/regen_bench.py --rows shards,static --chat "$MODEL/chat.jsonl" --target "$MODEL/target" \
-        --new-tokens "$NEW_TOKENS" --shard-size "$shard" --seq-len 3072 \
+    # shellcheck disable=SC2086 # COMPARE_BENCH_ARGS is a list of arguments
+    python3 bench/regen_bench.py --rows "${COMPARE_ROWS:-shards,static}" --chat "$MODEL/chat.jsonl" \
+        --target "$MODEL/target" --new-tokens "$NEW_TOKENS" --shard-size "$shard" --seq-len 3072 ${COMPARE_BENCH_ARGS:-} \
         --compile-cache "$STATE/workspace/cache/compile" 2>&1 | grep -v -i "warn" | tee "$OUT/regen_bench.log" \
-        | grep -E "pass|calls|prompts,|compile cache" | sed 's/^/   /'
+        | grep -E "pass|calls|prompts,|compile cache|Dynamo" | sed 's/^/   /'
 }
 
 write_vars
