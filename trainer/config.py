@@ -276,6 +276,14 @@ class ModelConfig:
 REGEN_ATTENTIONS = ("auto", "sdpa", "flex_attention", "eager")
 
 
+# Data keys that change how fast the data is made, never what it is: a resume may change them (the
+# regeneration's key leaves them out, docs/DATA.md), e.g. to fit what is left of a machine.
+SPEED_ONLY_DATA_KEYS = frozenset({
+    "cache_dir", "regen_batch_size", "regen_batch_tokens", "regen_min_width", "regen_compile",
+    "regen_compile_scope", "regen_attention", "regen_progress_every_s",
+})  # fmt: skip
+
+
 @dataclass
 class DataConfig:
     """Training conversations (JSONL chat format) and where built artefacts are cached."""

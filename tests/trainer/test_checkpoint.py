@@ -115,6 +115,22 @@ def test_another_worker_count_or_topology_resumes_another_batch_is_refused(tmp_p
         check_resumable(state, _setup("train.batch_size=3"), tmp_path)
 
 
+def test_a_resume_may_change_how_fast_the_data_is_made_not_what_it_is(tmp_path):
+    """The regeneration's speed settings (batches, compile, attention) are left out of its key: a
+    resume with other values, e.g. a smaller KV budget after an upgrade changed the default, goes
+    on; one that changes the answers (their length) is refused, naming the key."""
+    from trainer.run.resume import BadInput, check_resumable
+
+    state = {"format": 1, "config": _setup("data.regen_batch_tokens=131072").to_dict()}
+    faster = [
+        "data.regen_batch_tokens=262144", "data.regen_batch_size=512", "data.regen_min_width=128",
+        "data.regen_compile=false", "data.regen_compile_scope=layers", "data.regen_attention=sdpa",
+    ]  # fmt: skip
+    check_resumable(state, _setup(*faster), tmp_path)
+    with pytest.raises(BadInput, match=r"\(data.regen_max_new_tokens: checkpoint \d+, now 7\)"):
+        check_resumable(state, _setup("data.regen_max_new_tokens=7"), tmp_path)
+
+
 def test_stretches_count_each_shape_of_the_run_once():
     from trainer.run.resume import Shape, saved_shape, stretches_after
 

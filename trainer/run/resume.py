@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, config_from_dict
+from ..config import SPEED_ONLY_DATA_KEYS, Config, config_from_dict
 from ..data.rows import Loader
 from ..parallel.sharding import load_optimizer_state, optimizer_state, wait_for_parameters
 from .checkpoint import (
@@ -156,7 +156,8 @@ def check_resumable(state: dict, cfg: Config, path: Path) -> None:
         f"{section}.{key}: checkpoint {value!r}, now {getattr(getattr(cfg, section), key)!r}"
         for section in ("drafter", "model", "data")
         for key, value in getattr(saved, section).__dict__.items()
-        if key not in ("cache_dir", "regen_batch_size") and getattr(getattr(cfg, section), key) != value
+        if getattr(getattr(cfg, section), key) != value
+        and not (section == "data" and key in SPEED_ONLY_DATA_KEYS)
     ]
     for key in ("batch_size", "seq_len", "seed", "packing"):
         if getattr(saved.train, key) != getattr(cfg.train, key):
