@@ -2,6 +2,7 @@
 training row never sees (data.regen's max_prompt_tokens = train.seq_len), on the CPU, no target.
 
     python bench/regen_layout_bench.py CHAT_JSONL TOKENIZER_DIR [--seq-len 3072] [--new-tokens 256]
+    python bench/regen_layout_bench.py CHAT_JSONL TOKENIZER_DIR --batches 256:131072,512:262144
 
 The data set is read, tokenized and cut into shards as the product does (data.regen_shard_size),
 and each shard's turns are laid out in the static engine's batches (trainer.data.regen's
@@ -9,6 +10,10 @@ static_batches at the product's defaults, flex attention's 128-token minimum wid
 a decode step per new token whatever its rows, so batches x new tokens is the decoding's length;
 prompt tokens are the prefill's work. Each earlier answer is counted at min(its original length,
 new tokens), as a regenerated one would be at most.
+--batches ROWS:TOKENS,...: the layout at each (data.regen_batch_size, data.regen_batch_tokens),
+side by side: its batches, decode steps and distinct compiled shapes (rows filled x width): each
+shape is a compile of the decode step in every worker process, once per machine with the compile
+cache (docs/PERFORMANCE.md gives what a shape costs cold and warm).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import FLEX_MIN_LEN, DataConfig
 from trainer.data.chat import ChatFormat, prompt_ids, tokenize_stream
-from trainer.data.regen import DataIndex, RegenSettings, static_batches, turns_seen_in_training
+from trainer.data.regen import DataIndex, RegenSettings, compiled_rows, static_batches, turns_seen_in_training
 from trainer.model.target import load_tokenizer
 
 
@@ -49,19 +54,27 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=3072)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--conversations", type=int, help="only the first N")
+    parser.add_argument(
+        "--batches", help="ROWS:TOKENS,...: batch sizes and KV budgets side by side (default: the product's)"
+    )
     args = parser.parse_args()
     d = DataConfig()
-    settings = RegenSettings(
-        max_new_tokens=args.new_tokens, batch_size=d.regen_batch_size, batch_tokens=d.regen_batch_tokens,
-        min_width=max(d.regen_min_width, FLEX_MIN_LEN),
-    )  # fmt: skip
+    pairs = [tuple(map(int, pair.split(":"))) for pair in (args.batches or "").split(",") if pair]
+    layouts = {
+        (rows, tokens): RegenSettings(
+            max_new_tokens=args.new_tokens, batch_size=rows, batch_tokens=tokens,
+            min_width=max(d.regen_min_width, FLEX_MIN_LEN),
+        )
+        for rows, tokens in pairs or [(d.regen_batch_size, d.regen_batch_tokens)]
+    }
     chat = ChatFormat(load_tokenizer(Path(args.tokenizer_dir)))
     began = time.monotonic()
     index = DataIndex.build(Path(args.chat_file))
     total = min(len(index), args.conversations or len(index))
     indexed = time.monotonic() - began
     print(f"{total:,} conversations indexed in {indexed:.0f} s; shards of {d.regen_shard_size}")
-    figures = {None: [0, 0, 0, 0], args.seq_len: [0, 0, 0, 0]}  # turns, dropped, prompt tokens, batches
+    figures = {None: [0, 0, 0], args.seq_len: [0, 0, 0]}  # turns, dropped, prompt tokens
+    batches = {(limit, key): [0, set()] for limit in figures for key in layouts}  # batches, shapes
     for start in range(0, total, d.regen_shard_size):
         conversations = index.read(start, min(start + d.regen_shard_size, total))
         examples = list(tokenize_stream((m for _, m in conversations), chat))
@@ -71,18 +84,28 @@ def main() -> int:
             counts[0] += sum(map(len, rounds))
             counts[1] += dropped
             counts[2] += sum(len(p) for prompts in rounds for p in prompts)
-            counts[3] += sum(len(list(static_batches(prompts, settings))) for prompts in rounds if prompts)
+            for key, settings in layouts.items():
+                laid = [batch for prompts in rounds if prompts for batch in static_batches(prompts, settings)]
+                batches[limit, key][0] += len(laid)
+                batches[limit, key][1].update(
+                    (compiled_rows(len(chunk), width, settings), width) for width, chunk in laid
+                )
     print(f"read and laid out in {time.monotonic() - began:.0f} s")
     every, seen = figures[None], figures[args.seq_len]
-    for name, counts in (("every turn", every), (f"turns before {args.seq_len} tokens", seen)):
-        print(
-            f"{name:>28}: {counts[0]:>9,} turns generated ({counts[1]:,} left out), "
-            f"{counts[2]:>13,} prompt tokens, {counts[3]:>7,} batches = "
-            f"{counts[3] * args.new_tokens:>10,} decode steps"
-        )
+    for limit, name in ((None, "every turn"), (args.seq_len, f"turns before {args.seq_len} tokens")):
+        counts = figures[limit]
+        print(f"{name}: {counts[0]:,} turns generated ({counts[1]:,} left out), {counts[2]:,} prompt tokens")
+        for rows, tokens in layouts:
+            laid, shapes = batches[limit, (rows, tokens)]
+            print(
+                f"{'':>8}batches of {rows:>4} rows, {tokens:>7,} cache tokens: {laid:>7,} batches = "
+                f"{laid * args.new_tokens:>10,} decode steps, {len(shapes):>3} compiled shapes"
+            )
+    first = next(iter(layouts))
+    steps_every, steps_seen = batches[None, first][0], batches[args.seq_len, first][0]
     print(
         f"left out: {1 - seen[0] / every[0]:.2%} of turns, {1 - seen[2] / every[2]:.2%} of prompt tokens, "
-        f"{1 - seen[3] / every[3]:.2%} of decode steps"
+        f"{1 - steps_seen / steps_every:.2%} of decode steps"
     )
     return 0
 
