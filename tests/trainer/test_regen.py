@@ -529,6 +529,28 @@ def test_a_cache_that_cannot_be_written_is_one_clear_error(tmp_path, tiny, data_
         pass
 
 
+def test_a_batch_the_device_cannot_hold_names_the_kv_budget_to_lower(tiny, monkeypatch):
+    """Out of memory while decoding is a setting too large for this GPU, not a crash: one line
+    naming the batch, data.regen_batch_tokens and a value to try, and that finished shards stay."""
+    from trainer.data.decode import StaticDecoder
+    from trainer.data.regen import static_generate
+
+    target, tokenizer, chat = tiny
+
+    def too_big(self, ids, *args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 36.00 GiB")
+
+    monkeypatch.setattr(StaticDecoder, "decode", too_big)
+    expected = (
+        r"^cpu ran out of memory decoding a batch of 2 prompts of 8 tokens and 4 new \(a KV cache of 24 "
+        r"tokens; data.regen_batch_tokens is 4,096, data.regen_batch_size 2\). Lower "
+        r"data.regen_batch_tokens \(e.g. to 2,048\) and run again: the finished shards are kept$"
+    )
+    chosen = settings(batch_size=2, batch_tokens=4096, max_new_tokens=4)
+    with pytest.raises(DataError, match=expected):
+        static_generate(target, [[5, 6], [7]], chosen, chat, tokenizer.pad_token_id, lambda: False)
+
+
 def test_each_batch_gets_a_static_cache_of_its_own_width(tiny, monkeypatch):
     """A long prompt does not make later batches attend over its cache: every batch decodes over a
     static cache of its own width plus the new tokens, and a batch of the same shape as the one

@@ -338,10 +338,24 @@ def decode_batches(prompts, settings, decode, device, pad_id, end_id, should_sto
             rows += [rows[-1]] * (compiled_rows(len(rows), width, settings) - len(rows))
         ids = torch.tensor([[pad_id] * (width - len(row)) + row for row in rows])
         mask = (torch.arange(width) >= width - torch.tensor([len(row) for row in rows])[:, None]).long()
-        output = decode(ids.to(device), mask.to(device))
+        try:
+            output = decode(ids.to(device), mask.to(device))
+        except torch.OutOfMemoryError as exc:
+            raise DataError(out_of_memory(device, len(rows), width, settings)) from exc
         for i, row in zip(chunk, output[: len(chunk)].tolist(), strict=True):
             answers[i] = cut_answer(row, end_id)
     return answers
+
+
+def out_of_memory(device, rows: int, width: int, settings: RegenSettings) -> str:
+    cache = rows * (width + settings.max_new_tokens)
+    return (
+        f"{device} ran out of memory decoding a batch of {rows} prompts of {width} tokens and "
+        f"{settings.max_new_tokens} new (a KV cache of {cache:,} tokens; data.regen_batch_tokens is "
+        f"{settings.batch_tokens:,}, data.regen_batch_size {settings.batch_size}). Lower "
+        f"data.regen_batch_tokens (e.g. to {max(1, settings.batch_tokens // 2):,}) and run again: the "
+        "finished shards are kept"
+    )
 
 
 def continuous_generate(target, prompts, settings, chat, pad_id, should_stop) -> list[list[int]] | None:
