@@ -72,3 +72,23 @@ def test_an_unreadable_bundle_is_skipped_and_said(tmp_path, monkeypatch):
     with compile_cache.persisted(directory, lines.append):
         pass
     assert lines == [f"compile cache: cold (compiling into {directory}; 1 unreadable bundle(s) skipped)"]
+
+
+def test_a_bundle_torch_cannot_make_costs_only_the_next_start(tmp_path, monkeypatch):
+    """The work inside the block is done when torch fails to bundle what it compiled (a setting
+    such as Dynamo's precompile can fail there): the log says the cache was not saved, nothing is
+    raised, and no bundle is left half written."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))
+
+    def cannot_bundle():
+        raise RuntimeError("cannot pickle 'CUDAGraph' object")
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", cannot_bundle)
+    directory = tmp_path / "compile" / "stack"
+    lines = []
+    with compile_cache.persisted(directory, lines.append):
+        done = True
+    assert done and lines[-1] == (
+        f"compile cache: not saved ({directory}: torch could not bundle it: cannot pickle 'CUDAGraph' object)"
+    )
+    assert list((directory / "mega").iterdir()) == []

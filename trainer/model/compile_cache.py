@@ -125,3 +125,5 @@ def persisted(directory: Path | None, log: Callable[[str], None]) -> Iterator[No
             save(directory)
         except OSError as exc:
             log(f"compile cache: not saved ({directory}: {exc.strerror})")
+        except Exception as exc:  # torch could not bundle what it compiled: the work is done all the same
+            log(f"compile cache: not saved ({directory}: torch could not bundle it: {exc})")
