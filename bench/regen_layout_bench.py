@@ -13,7 +13,10 @@ new tokens), as a regenerated one would be at most.
 --batches ROWS:TOKENS,...: the layout at each (data.regen_batch_size, data.regen_batch_tokens),
 side by side: its batches, decode steps and distinct compiled shapes (rows filled x width): each
 shape is a compile of the decode step in every worker process, once per machine with the compile
-cache (docs/PERFORMANCE.md gives what a shape costs cold and warm).
+cache (docs/PERFORMANCE.md gives what a shape costs cold and warm). Each row also says what the
+batches cost if every regenerated answer ends where the file's does: a batch decodes until its
+longest answer has ended (read every 16 tokens), so with a large --new-tokens the rows whose
+answers ended early wait for it; "row-steps used" is the share of rows x steps that are answers.
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import FLEX_MIN_LEN, DataConfig
 from trainer.data.chat import ChatFormat, prompt_ids, tokenize_stream
+from trainer.data.decode import STOP_CHECK_EVERY
 from trainer.data.regen import DataIndex, RegenSettings, compiled_rows, static_batches, turns_seen_in_training
 from trainer.model.target import load_tokenizer
 
 
-def shard_prompts(examples, chat, new_tokens: int, limit: int | None):
+def shard_prompts(examples, chat, new_tokens: int, limit: int | None, lengths: list | None = None):
     """Each round's prompts (turn by turn), answers cut to new_tokens; turns past limit left out as
-    the product leaves them out (turns_seen_in_training). Returns (rounds, turns left out)."""
+    the product leaves them out (turns_seen_in_training). Returns (rounds, turns left out); each
+    round's answer lengths in the file (cut to new_tokens) are appended to `lengths` if given."""
     header = len(chat.header("assistant"))
     answers = sum(role == "assistant" for example in examples for role, _ in example.turns)
     rounds = []
@@ -44,7 +49,16 @@ def shard_prompts(examples, chat, new_tokens: int, limit: int | None):
         for i in todo:
             examples[i].turns[turn] = ("assistant", examples[i].turns[turn][1][:new_tokens])
         rounds.append(prompts)
+        if lengths is not None:
+            lengths.append([len(examples[i].turns[turn][1]) for i in todo])
     return rounds, answers - sum(map(len, rounds))
+
+
+def steps_to_end(answer_lengths: list[int], new_tokens: int) -> int:
+    """Decode steps a batch takes if each row's answer ends where the file's does: the engine reads
+    whether every row has ended every STOP_CHECK_EVERY tokens, and a row ends with its end token."""
+    longest = max(answer_lengths) + 1  # the end token
+    return min(new_tokens, -(-longest // STOP_CHECK_EVERY) * STOP_CHECK_EVERY)
 
 
 def main() -> int:
@@ -74,32 +88,40 @@ def main() -> int:
     indexed = time.monotonic() - began
     print(f"{total:,} conversations indexed in {indexed:.0f} s; shards of {d.regen_shard_size}")
     figures = {None: [0, 0, 0], args.seq_len: [0, 0, 0]}  # turns, dropped, prompt tokens
-    batches = {(limit, key): [0, set()] for limit in figures for key in layouts}  # batches, shapes
+    # batches, shapes, and if answers end where the file's do: steps, answer tokens, row-steps
+    batches = {(limit, key): [0, set(), 0, 0, 0] for limit in figures for key in layouts}
     for start in range(0, total, d.regen_shard_size):
         conversations = index.read(start, min(start + d.regen_shard_size, total))
         examples = list(tokenize_stream((m for _, m in conversations), chat))
         for limit, counts in figures.items():
             copies = [type(e)(list(e.turns)) for e in examples]
-            rounds, dropped = shard_prompts(copies, chat, args.new_tokens, limit)
+            lengths: list[list[int]] = []
+            rounds, dropped = shard_prompts(copies, chat, args.new_tokens, limit, lengths)
             counts[0] += sum(map(len, rounds))
             counts[1] += dropped
             counts[2] += sum(len(p) for prompts in rounds for p in prompts)
             for key, settings in layouts.items():
-                laid = [batch for prompts in rounds if prompts for batch in static_batches(prompts, settings)]
-                batches[limit, key][0] += len(laid)
-                batches[limit, key][1].update(
-                    (compiled_rows(len(chunk), width, settings), width) for width, chunk in laid
-                )
+                figure = batches[limit, key]
+                for prompts, answer_lengths in zip(rounds, lengths, strict=True):
+                    for width, chunk in static_batches(prompts, settings) if prompts else []:
+                        rows = compiled_rows(len(chunk), width, settings)
+                        steps = steps_to_end([answer_lengths[i] for i in chunk], args.new_tokens)
+                        figure[0] += 1
+                        figure[1].add((rows, width))
+                        figure[2] += steps
+                        figure[3] += sum(answer_lengths[i] for i in chunk)
+                        figure[4] += steps * rows
     print(f"read and laid out in {time.monotonic() - began:.0f} s")
     every, seen = figures[None], figures[args.seq_len]
     for limit, name in ((None, "every turn"), (args.seq_len, f"turns before {args.seq_len} tokens")):
         counts = figures[limit]
         print(f"{name}: {counts[0]:,} turns generated ({counts[1]:,} left out), {counts[2]:,} prompt tokens")
         for rows, tokens in layouts:
-            laid, shapes = batches[limit, (rows, tokens)]
+            laid, shapes, steps, answered, row_steps = batches[limit, (rows, tokens)]
             print(
                 f"{'':>8}batches of {rows:>4} rows, {tokens:>7,} cache tokens: {laid:>7,} batches = "
-                f"{laid * args.new_tokens:>10,} decode steps, {len(shapes):>3} compiled shapes"
+                f"{laid * args.new_tokens:>10,} decode steps, {len(shapes):>3} compiled shapes; answers "
+                f"ending as the file's: {steps:,} steps, {answered / max(1, row_steps):.0%} of row-steps used"
             )
     first = next(iter(layouts))
     steps_every, steps_seen = batches[None, first][0], batches[args.seq_len, first][0]

@@ -40,13 +40,18 @@ def test_the_layout_bench_counts_the_turns_past_the_rows(tmp_path: Path) -> None
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"messages": long_second_turn}) + "\n")
     out = run(
-        "bench/regen_layout_bench.py", str(data), str(target), "--seq-len", "40", "--new-tokens", "8",
+        "bench/regen_layout_bench.py", str(data), str(target), "--seq-len", "40", "--new-tokens", "64",
         "--batches", "1:4096,2:4096",
     )  # fmt: skip
     assert "every turn: 2 turns generated (0 left out)" in out, out
     assert "turns before 40 tokens: 1 turns generated (1 left out)" in out, out
     # Two rounds of one prompt each (one with the long turn left out), both within one 128 width:
-    # a batch each round, one compiled shape, at either batch size.
-    row = r"batches of +(\d) rows, +4,096 cache tokens: +(\d+) batches = +(\d+) decode steps, +(\d+) compiled"
-    every, seen = [("1", "2", "16", "1"), ("2", "2", "16", "1")], [("1", "1", "8", "1"), ("2", "1", "8", "1")]
+    # a batch each round, one compiled shape, at either batch size. Each answer is one token, so
+    # a batch ends at the first check, 16 tokens in, not after 64.
+    row = (
+        r"batches of +(\d) rows, +4,096 cache tokens: +(\d+) batches = +(\d+) decode steps, +(\d+) compiled "
+        r"shapes; answers ending as the file's: (\d+) steps"
+    )
+    every = [("1", "2", "128", "1", "32"), ("2", "2", "128", "1", "32")]
+    seen = [("1", "1", "64", "1", "16"), ("2", "1", "64", "1", "16")]
     assert re.findall(row, out) == every + seen, out
