@@ -26,8 +26,9 @@ Rows:
               target and compiling over the compile cache, timed twice; one row per --workers entry
 --decode-scope step,layers: a static (and --warm) row for each of data.regen_compile_scope's
               values: the whole decode step compiled as CUDA graphs, or each target layer compiled
-              on its own (one compile shared by the layers, no CUDA graphs); each pass says how
-              many graphs Dynamo compiled in it
+              on its own (one compile shared by the layers, no CUDA graphs); SCOPE+dynamic compiles
+              it once for every batch shape (data.regen_compile_dynamic), e.g. step,step+dynamic;
+              each pass says how many graphs Dynamo compiled in it
 --warm: after the rows, a fresh process over the same compile cache (--compile-cache, default a new
 temporary directory, so the first compile is cold) runs the static pass twice: its first pass is
 what a restart or the next GPU's worker pays. The static row's pass 1 is the cold figure, its pass 2
@@ -335,7 +336,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-compile", action="store_true", help="static: no compiled decode step")
     parser.add_argument(
         "--decode-scope", default=DataConfig.regen_compile_scope,
-        help="static: what compiles, 'step' or 'layers' (data.regen_compile_scope); a comma list: each",
+        help="static: what compiles, 'step' or 'layers' (data.regen_compile_scope), '+dynamic' once for "
+        "every shape (data.regen_compile_dynamic); a comma list: each",
     )  # fmt: skip
     parser.add_argument(
         "--profile",
@@ -362,6 +364,10 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"unknown row {sorted(unknown)[0]!r}; rows are {known}")
     if args.chat and not args.target:
         parser.error("--chat needs --target: the target directory whose tokenizer builds the prompts")
+    known_scopes = [f"{scope}{dynamic}" for scope in ("step", "layers") for dynamic in ("", "+dynamic")]
+    for scope in args.decode_scope.split(","):
+        if scope not in known_scopes:
+            parser.error(f"unknown --decode-scope {scope!r}; scopes are {', '.join(known_scopes)}")
     if "shards" in rows and not args.chat:
         parser.error("the shards row needs --chat: the chat file whose shards and turns it lays out")
     return args
@@ -396,9 +402,11 @@ def main() -> int:
     scopes = args.decode_scope.split(",")
 
     def settings_for(batch_size: int, scope: str = scopes[0]) -> RegenSettings:
+        compile_scope, _, dynamic = scope.partition("+")
         return RegenSettings(
             max_new_tokens=new_tokens, batch_size=batch_size, batch_tokens=args.batch_tokens,
-            min_width=args.min_width, compile=not args.no_compile, compile_scope=scope,
+            min_width=args.min_width, compile=not args.no_compile, compile_scope=compile_scope,
+            compile_dynamic=dynamic == "dynamic",
         )  # fmt: skip
 
     root = Path(args.compile_cache or tempfile.mkdtemp(prefix="regen-compile-")).absolute()

@@ -280,7 +280,7 @@ REGEN_ATTENTIONS = ("auto", "sdpa", "flex_attention", "eager")
 # regeneration's key leaves them out, docs/DATA.md), e.g. to fit what is left of a machine.
 SPEED_ONLY_DATA_KEYS = frozenset({
     "cache_dir", "regen_batch_size", "regen_batch_tokens", "regen_min_width", "regen_compile",
-    "regen_compile_scope", "regen_attention", "regen_progress_every_s",
+    "regen_compile_scope", "regen_compile_dynamic", "regen_attention", "regen_progress_every_s",
 })  # fmt: skip
 
 
@@ -326,6 +326,11 @@ class DataConfig:
     'layers', each decoder layer on its own, one compile shared by all layers, no CUDA graphs
     (18-32 s a shape, but decoding 2.4x slower: each step waits on the host; docs/PERFORMANCE.md).
     'layers' pays off only for a data set that decodes in less time than its shapes compile."""
+    regen_compile_dynamic: bool = False
+    """Compile the decode once for every batch shape, the rows and the cache length symbolic,
+    instead of once per shape ('step' still records a CUDA graph per shape, a few steps' time).
+    On a CPU (a 36-layer small Qwen3): one compile of 123 s serves five shapes where each shape
+    took 50 s. Its speed on a GPU is not measured yet (docs/PERFORMANCE.md), hence off."""
     regen_attention: str = "auto"
     """Static engine: the attention the target decodes with ('auto', 'sdpa', 'flex_attention',
     'eager'). 'auto' is flex attention when compiled on CUDA (it reads the grouped-query KV cache

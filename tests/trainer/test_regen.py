@@ -631,6 +631,31 @@ def test_layer_compiled_decoding_gives_the_uncompiled_answers_with_one_compile_f
         StaticDecoder(target, compiled=True, scope="all")
 
 
+@pytest.mark.parametrize("scope", ["step", "layers"])
+def test_decoding_compiled_for_every_shape_compiles_once_and_gives_the_uncompiled_answers(tiny, scope):
+    """data.regen_compile_dynamic: batches of other rows and widths run the one compile (rows and
+    cache length symbolic) and get the uncompiled loop's answers, left padding included."""
+    from torch._dynamo.utils import counters
+
+    from trainer.data.decode import StaticDecoder
+
+    target, tokenizer, chat = tiny
+    pad, never = tokenizer.pad_token_id, -1
+    questions = ["count to five", "name three colours and then count to ten", "say hello", "spell cat"]
+    batches = []
+    for rows, width in ((2, 24), (4, 40)):
+        texts = [chat.text(question) for question in questions[:rows]]
+        ids = torch.tensor([[pad] * (width - len(text)) + text for text in texts])
+        batches.append((ids, (ids != pad).long()))
+    uncompiled = StaticDecoder(target, compiled=False)
+    expected = [uncompiled.decode(ids, mask, 5, never) for ids, mask in batches]
+    graphs = counters["stats"]["unique_graphs"]
+    decoder = StaticDecoder(target, compiled=True, scope=scope, dynamic=True)
+    for (ids, mask), answers in zip(batches, expected, strict=True):
+        assert torch.equal(decoder.decode(ids, mask, 5, never), answers)
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # one compile, both shapes
+
+
 def test_batched_tokenizing_equals_tokenizing_message_by_message(tmp_path, embedded, tiny):
     """tokenize_stream encodes a chunk of conversations per tokenizer call: the same ids, in the
     same order, as one call per message, across chunk boundaries, for an empty message and for one

@@ -8,7 +8,10 @@ step is the target's forward and the argmax, compiled one of two ways (data.rege
 "step", the whole step as one CUDA graph per (rows, cache length), about a minute to compile
 each shape at the Qwen3-8B shape; or "layers", each decoder layer compiled on its own with one
 compile shared by them all and no CUDA graphs: a shape compiles in a third of the time, but each
-step then waits on the host (one H200, Qwen3-8B shape: 2.4x slower; docs/PERFORMANCE.md). The
+step then waits on the host (one H200, Qwen3-8B shape: 2.4x slower; docs/PERFORMANCE.md). Either
+compiles once per batch shape, or, with data.regen_compile_dynamic, once for every shape (the rows
+and the cache length symbolic; in "step" a CUDA graph is still recorded per shape, which takes a
+few of its steps, not a compile). The
 mask covers the whole cache from the start (the cache's own position makes it causal), so
 nothing between steps depends on the step; and whether every row has ended is read once every
 STOP_CHECK_EVERY tokens. The host queues steps ahead of the GPU.
@@ -19,11 +22,13 @@ and a row that has ended keeps decoding tokens that cut_answer drops at its end 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import weakref
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 # A batch ends this many steps at most after its last row has: each check waits for the GPU.
 STOP_CHECK_EVERY = 16
@@ -41,9 +46,10 @@ class StaticDecoder:
     """Decodes batch after batch with one target. Keeps the compiled step (compiled once per
     process and shape) and the static cache of the last shape (reused, so the step's CUDA graph
     is not recorded again for each batch of that shape). scope: "step" or "layers" (the module's
-    docstring; data.regen_compile_scope)."""
+    docstring; data.regen_compile_scope); dynamic: one compile for every shape
+    (data.regen_compile_dynamic)."""
 
-    def __init__(self, target, compiled: bool, scope: str = "step"):
+    def __init__(self, target, compiled: bool, scope: str = "step", dynamic: bool = False):
         if scope not in SCOPES:
             raise ValueError(f"decode compile scope must be one of {', '.join(SCOPES)}, got {scope!r}")
         self.target = target
@@ -51,9 +57,11 @@ class StaticDecoder:
         self.cache = None
         self.cache_shape: tuple[int, int] | None = None
         self.graphed = compiled and scope == "step"
-        self.step = compiled_step() if self.graphed else greedy_step
+        self.dynamic = compiled and dynamic
+        self.step = compiled_step(dynamic) if self.graphed else greedy_step
         # The model each step runs: the target, or its view with compiled layers.
-        self.stepper = layers_compiled(target, self.cache_name) if compiled and scope == "layers" else target
+        layered = compiled and scope == "layers"
+        self.stepper = layers_compiled(target, self.cache_name, dynamic) if layered else target
 
     def static_cache(self, rows: int, length: int):
         from transformers import StaticCache
@@ -70,6 +78,14 @@ class StaticDecoder:
     def decode(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, end_id: int) -> torch.Tensor:
         """ids, mask: [rows, width], left-padded (mask 0 on padding). Returns [rows, new_tokens] (or
         fewer columns once every row has produced end_id); tokens after a row's end_id are noise."""
+        # Dynamo gives sizes that are equal when it traces one symbol ("duck shapes"): a batch of 8
+        # rows would share the symbol of the 8 KV heads, which the model fixes, and compile its
+        # rows as a constant, so every other row count compiled again.
+        own_symbols = fx_config.patch(use_duck_shape=False) if self.dynamic else contextlib.nullcontext()
+        with own_symbols:
+            return self.decode_tokens(ids, mask, new_tokens, end_id)
+
+    def decode_tokens(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, end_id: int):
         rows, width = ids.shape
         cache = {self.cache_name: self.static_cache(rows, width + new_tokens)}
         # The mask of the whole cache: padding off, the rest on; causality comes from the cache's
@@ -92,15 +108,17 @@ class StaticDecoder:
         return out
 
 
-_COMPILED_STEP = None
+_COMPILED_STEPS: dict = {}
 
 
-def compiled_step():
-    """greedy_step compiled once a process: a new torch.compile wrapper would trace again."""
-    global _COMPILED_STEP
-    if _COMPILED_STEP is None:
-        _COMPILED_STEP = torch.compile(greedy_step, mode="reduce-overhead", dynamic=False, fullgraph=False)
-    return _COMPILED_STEP
+def compiled_step(dynamic: bool = False):
+    """greedy_step compiled once a process (for each of static and dynamic shapes): a new
+    torch.compile wrapper would trace again."""
+    if dynamic not in _COMPILED_STEPS:
+        _COMPILED_STEPS[dynamic] = torch.compile(
+            greedy_step, mode="reduce-overhead", dynamic=dynamic, fullgraph=False
+        )
+    return _COMPILED_STEPS[dynamic]
 
 
 class LayerCache:
@@ -119,9 +137,9 @@ class LayerCache:
 class CompiledLayer(torch.nn.Module):
     """A decoder layer compiled on its own, handed its part of the KV cache."""
 
-    def __init__(self, layer, index: int, cache_name: str):
+    def __init__(self, layer, index: int, cache_name: str, dynamic: bool = False):
         super().__init__()
-        self.compiled = torch.compile(layer, dynamic=False)
+        self.compiled = torch.compile(layer, dynamic=dynamic)
         self.index = index
         self.cache_name = cache_name
 
@@ -135,21 +153,22 @@ class CompiledLayer(torch.nn.Module):
 _LAYER_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def layers_compiled(target, cache_name: str):
-    """A view of the target whose decoder layers run compiled, sharing its weights; one per target
-    and process (a new torch.compile wrapper would trace again). The target's own layers stay
-    uncompiled: the prefill runs them."""
-    view = _LAYER_VIEWS.get(target)
+def layers_compiled(target, cache_name: str, dynamic: bool = False):
+    """A view of the target whose decoder layers run compiled, sharing its weights; one per target,
+    process and dynamic (a new torch.compile wrapper would trace again). The target's own layers
+    stay uncompiled: the prefill runs them."""
+    views = _LAYER_VIEWS.setdefault(target, {})
+    view = views.get(dynamic)
     if view is None:
         base = getattr(target, target.base_model_prefix)
-        layers = [CompiledLayer(layer, i, cache_name) for i, layer in enumerate(base.layers)]
+        layers = [CompiledLayer(layer, i, cache_name, dynamic) for i, layer in enumerate(base.layers)]
         inner = copy.copy(base)  # shallow: parameters, buffers and config are shared, not copied
         inner._modules = dict(base._modules)
         inner._modules["layers"] = torch.nn.ModuleList(layers)
         view = copy.copy(target)
         view._modules = dict(target._modules)
         view._modules[target.base_model_prefix] = inner
-        _LAYER_VIEWS[target] = view
+        views[dynamic] = view
     return view
 
 

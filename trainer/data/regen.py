@@ -73,6 +73,7 @@ class RegenSettings:
     min_width: int = 64
     compile: bool = True
     compile_scope: str = "step"
+    compile_dynamic: bool = False
     attention: str = "auto"
     dtype: str = "float32"
     # A turn is generated only while the conversation before it is shorter than this (the run's
@@ -81,8 +82,8 @@ class RegenSettings:
     max_prompt_tokens: int | None = None
 
     def key_fields(self) -> str:
-        # batch_size, batch_tokens, min_width, compile, compile_scope and attention change how, not
-        # what (exactly so in float32).
+        # batch_size, batch_tokens, min_width, compile, compile_scope, compile_dynamic and attention
+        # change how, not what (exactly so in float32).
         fields = f"{REGEN_FORMAT}|{self.max_new_tokens}|{self.engine}|{self.shard_size}|{self.dtype}"
         return fields if self.max_prompt_tokens is None else f"{fields}|before {self.max_prompt_tokens}"
 
@@ -227,8 +228,9 @@ def rows_per_batch(width: int, settings: RegenSettings) -> int:
 def compiled_rows(rows: int, width: int, settings: RegenSettings) -> int:
     """Rows a compiled batch is filled up to: the next power of two, so the last batch of a width
     (often a few long prompts) runs at its own small shape, and a data set compiles a few shapes
-    per width at most."""
-    filled = 1
+    per width at most. Compiled for every shape (compile_dynamic), two rows at least: Dynamo
+    compiles a size of one on its own."""
+    filled = 2 if settings.compile_dynamic else 1
     while filled < rows:
         filled *= 2
     return min(filled, rows_per_batch(width, settings))
@@ -294,7 +296,7 @@ def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> lis
     attention = decode_attention(settings, compiled)
     settings = widths_for(settings, attention)
     if settings.compile:
-        decoder = StaticDecoder(target, compiled, settings.compile_scope)
+        decoder = StaticDecoder(target, compiled, settings.compile_scope, settings.compile_dynamic)
 
         def decode(ids, mask):
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
