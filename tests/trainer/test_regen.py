@@ -757,3 +757,13 @@ def test_a_full_disk_in_the_data_stage_ends_the_run_crashed_exit_1_in_one_line(t
     monkeypatch.setattr(trainer.regen, "regenerate", fills_the_disk)
     assert trainer.regen.main(["--run", "eager", "--dir", str(out), "--set", "parallel.devices=cpu"]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == f"error: {full}"
+
+
+def test_a_batch_compiled_for_every_shape_holds_two_rows_at_least():
+    """A size of one compiles on its own even with symbolic sizes: a last prompt alone is paired."""
+    from trainer.data.regen import compiled_rows
+
+    by_shape = RegenSettings(max_new_tokens=256, batch_size=512, batch_tokens=262144, min_width=64)
+    dynamic = RegenSettings(**{**by_shape.__dict__, "compile_dynamic": True})
+    assert [compiled_rows(rows, 128, by_shape) for rows in (1, 2, 3)] == [1, 2, 4]
+    assert [compiled_rows(rows, 128, dynamic) for rows in (1, 2, 3)] == [2, 2, 4]
