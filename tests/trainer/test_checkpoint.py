@@ -124,7 +124,8 @@ def test_a_resume_may_change_how_fast_the_data_is_made_not_what_it_is(tmp_path):
     state = {"format": 1, "config": _setup("data.regen_batch_tokens=131072").to_dict()}
     faster = [
         "data.regen_batch_tokens=262144", "data.regen_batch_size=512", "data.regen_min_width=128",
-        "data.regen_compile=false", "data.regen_compile_scope=layers", "data.regen_attention=sdpa",
+        "data.regen_compile=false", "data.regen_compile_scope=layers", "data.regen_compile_dynamic=true",
+        "data.regen_attention=sdpa",
     ]  # fmt: skip
     check_resumable(state, _setup(*faster), tmp_path)
     with pytest.raises(BadInput, match=r"\(data.regen_max_new_tokens: checkpoint \d+, now 7\)"):
