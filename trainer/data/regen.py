@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import FLEX_MIN_LEN
+from ..config import FLEX_MIN_LEN, DataConfig
 from ..model.target import attention_of
 from .chat import (
     MAX_LINE_BYTES,
@@ -63,18 +63,19 @@ RECOMPILE_LIMIT = 64
 
 @dataclass
 class RegenSettings:
-    """What decides the answers (the key covers these) and how they are produced."""
+    """What decides the answers (the key covers these) and how they are produced. The defaults are
+    the config's (data.regen_*); the product builds these from the config (settings_of)."""
 
-    max_new_tokens: int = 64
-    engine: str = "static"
-    shard_size: int = 1024
-    batch_size: int = 64
-    batch_tokens: int = 131072
-    min_width: int = 64
-    compile: bool = True
-    compile_scope: str = "step"
-    compile_dynamic: bool = False
-    attention: str = "auto"
+    max_new_tokens: int = DataConfig.regen_max_new_tokens
+    engine: str = DataConfig.regen_engine
+    shard_size: int = DataConfig.regen_shard_size
+    batch_size: int = DataConfig.regen_batch_size
+    batch_tokens: int = DataConfig.regen_batch_tokens
+    min_width: int = DataConfig.regen_min_width
+    compile: bool = DataConfig.regen_compile
+    compile_scope: str = DataConfig.regen_compile_scope
+    compile_dynamic: bool = DataConfig.regen_compile_dynamic
+    attention: str = DataConfig.regen_attention
     dtype: str = "float32"
     # A turn is generated only while the conversation before it is shorter than this (the run's
     # train.seq_len): training cuts every conversation to it, so a later turn would never be seen.
