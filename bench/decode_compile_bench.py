@@ -17,6 +17,7 @@ with the product's batches.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -28,20 +29,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.trainer_bench import SHAPES, build_target
 from trainer.model import compile_cache
 
 CACHE_COUNTS = ("hit", "miss", "bypass")  # Inductor's FX graph cache, so far in the process
 
 
 def small_target(layers: int, device: torch.device):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
-    )  # fmt: skip
-    target = Qwen3ForCausalLM(config).eval().to(device)
+    """trainer_bench's tiny shape (hidden 64, 4 heads, 2 KV heads) with `layers` decoder layers."""
+    target = build_target(dataclasses.replace(SHAPES["tiny"], layers=layers), device, torch.float32)
     with torch.no_grad():
         target.lm_head.weight.mul_(20)  # confident logits: ties in the argmax are unlikely
     return target
