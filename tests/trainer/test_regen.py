@@ -634,8 +634,9 @@ def test_layer_compiled_decoding_gives_the_uncompiled_answers_with_one_compile_f
 @pytest.mark.parametrize("scope", ["step", "layers"])
 def test_decoding_compiled_for_every_shape_compiles_once_and_gives_the_uncompiled_answers(tiny, scope):
     """data.regen_compile_dynamic: batches of other rows and widths run the one compile (rows and
-    cache length symbolic) and get the uncompiled loop's answers, left padding included."""
-    from torch._dynamo.utils import counters
+    cache length symbolic) and get the uncompiled loop's answers, left padding included; Dynamo
+    traces the step once (no trace thrown away and done again, which a warm start would pay)."""
+    from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
     from trainer.data.decode import StaticDecoder
 
@@ -650,10 +651,14 @@ def test_decoding_compiled_for_every_shape_compiles_once_and_gives_the_uncompile
     uncompiled = StaticDecoder(target, compiled=False)
     expected = [uncompiled.decode(ids, mask, 5, never) for ids, mask in batches]
     graphs = counters["stats"]["unique_graphs"]
+    clear_compilation_metrics()
     decoder = StaticDecoder(target, compiled=True, scope=scope, dynamic=True)
     for (ids, mask), answers in zip(batches, expected, strict=True):
         assert torch.equal(decoder.decode(ids, mask, 5, never), answers)
     assert counters["stats"]["unique_graphs"] - graphs == 1  # one compile, both shapes
+    compiles = get_compilation_metrics()
+    assert compiles, "no compile recorded"
+    assert [c.restart_reasons for c in compiles if c.restart_reasons] == []
 
 
 def test_batched_tokenizing_equals_tokenizing_message_by_message(tmp_path, embedded, tiny):

@@ -78,11 +78,7 @@ class StaticDecoder:
     def decode(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, end_id: int) -> torch.Tensor:
         """ids, mask: [rows, width], left-padded (mask 0 on padding). Returns [rows, new_tokens] (or
         fewer columns once every row has produced end_id); tokens after a row's end_id are noise."""
-        # Dynamo gives sizes that are equal when it traces one symbol ("duck shapes"): a batch of 8
-        # rows would share the symbol of the 8 KV heads, which the model fixes, and compile its
-        # rows as a constant, so every other row count compiled again.
-        own_symbols = fx_config.patch(use_duck_shape=False) if self.dynamic else contextlib.nullcontext()
-        with own_symbols:
+        with symbolic_sizes() if self.dynamic else contextlib.nullcontext():
             return self.decode_tokens(ids, mask, new_tokens, end_id)
 
     def decode_tokens(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, end_id: int):
@@ -106,6 +102,19 @@ class StaticDecoder:
             out[:, i] = self.step(self.stepper, out[:, i - 1 : i], positions, full_mask, cache)
             positions = positions + 1
         return out
+
+
+@contextlib.contextmanager
+def symbolic_sizes():
+    """How Dynamo traces the step for every shape at once. Its own symbol for each size: with
+    "duck shapes" sizes that are equal share one, so a batch of 8 rows would share the symbol of
+    the 8 KV heads, which the model fixes, and compile its rows as a constant (every other row
+    count compiled again). The model's float constants (each attention layer's scale) as plain
+    numbers: as symbols, the attention call, which takes a Python float, fixes them only once the
+    whole step is traced, and Dynamo traces it all again (a warm start's first trace is thrown
+    away: 20 s against 8 s for 12 layers on the CPU, docs/PERFORMANCE.md)."""
+    with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True):
+        yield
 
 
 _COMPILED_STEPS: dict = {}
