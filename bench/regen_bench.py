@@ -30,9 +30,9 @@ Rows:
               it once for every batch shape (data.regen_compile_dynamic), e.g. step,step+dynamic;
               each pass says how many graphs Dynamo compiled in it
 --warm: after the rows, a fresh process over the same compile cache (--compile-cache, default a new
-temporary directory, so the first compile is cold) runs the static pass twice: its first pass is
-what a restart or the next GPU's worker pays. The static row's pass 1 is the cold figure, its pass 2
-the steady one.
+temporary directory, so the first compile is cold) runs the static pass twice (--warm-passes 1:
+once): its first pass is what a restart or the next GPU's worker pays. The static row's pass 1 is
+the cold figure, its pass 2 the steady one.
 --chat FILE --target DIR: the prompts of a chat JSONL as the product's stage builds them with that
 target's tokenizer (turns past --seq-len left out; a later turn's prompt holds the file's earlier
 answers cut to the new tokens), answered by that target until its end token: the product's own
@@ -349,6 +349,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--workers", default="2", help="workers row: worker processes, a comma list")
     parser.add_argument("--warm", action="store_true", help="then a fresh process over the compile cache")
+    parser.add_argument(
+        "--warm-passes", type=int, default=2, choices=(1, 2),
+        help="--warm: the fresh process's passes (1: its first only, set beside the static row's pass 2)",
+    )  # fmt: skip
     parser.add_argument("--compile-cache", help="compile cache root (default: a new temporary directory)")
     parser.add_argument("--chat", help="prompts from this chat JSONL, as the product's stage builds them")
     parser.add_argument("--target", help="a target directory (weights, tokenizer) instead of a random one")
@@ -425,7 +429,8 @@ def main() -> int:
     for scope in scopes if args.warm else []:
         print(f"warm: a fresh process over the compile cache {compile_dir}", flush=True)
         name = "warm (fresh process)" if len(scopes) == 1 else f"warm {scope} (fresh process)"
-        worker_rows(prompts, settings_for(batch_sizes[0], scope), 1, source, device, compile_dir, 2, name)
+        settings = settings_for(batch_sizes[0], scope)
+        worker_rows(prompts, settings, 1, source, device, compile_dir, args.warm_passes, name)
     return 0
 
 
