@@ -661,6 +661,34 @@ def test_decoding_compiled_for_every_shape_compiles_once_and_gives_the_uncompile
     assert [c.restart_reasons for c in compiles if c.restart_reasons] == []
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flex_attention_decoding_gives_the_sdpa_answers_also_in_a_cache_used_before(tiny, compiled):
+    """On flex attention (the compiled regeneration's) the decoder makes the prefill's and the
+    steps' masks itself: left-padded batches get SDPA's answers, a batch of the same shape again
+    too (its cache reused), where transformers' own flex masks read the cache's fill level after
+    the first layer has moved it on (the reused cache's prefill saw later prompt tokens)."""
+    from trainer.data.decode import StaticDecoder
+    from trainer.model.target import attention_of
+
+    target, tokenizer, chat = tiny
+    pad, never = tokenizer.pad_token_id, -1
+    questions = ["count to five", "name three colours and then count to ten", "say hello", "spell cat"]
+    batches = []
+    for rows, width in ((2, 24), (4, 40)):
+        texts = [chat.text(question) for question in questions[:rows]]
+        ids = torch.tensor([[pad] * (width - len(text)) + text for text in texts])
+        batches.append((ids, (ids != pad).long()))
+    batches.append(batches[0])  # the first shape again: its cache reused
+    sdpa = StaticDecoder(target, compiled=False)
+    expected = [sdpa.decode(ids, mask, 12, never) for ids, mask in batches]
+    decoder = StaticDecoder(target, compiled=compiled)
+    with attention_of(target, "flex_attention"):
+        answers = [decoder.decode(ids, mask, 12, never) for ids, mask in batches]
+    assert target.config._attn_implementation != "flex_attention"  # its own attention back
+    for got, want in zip(answers, expected, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_batched_tokenizing_equals_tokenizing_message_by_message(tmp_path, embedded, tiny):
     """tokenize_stream encodes a chunk of conversations per tokenizer call: the same ids, in the
     same order, as one call per message, across chunk boundaries, for an empty message and for one

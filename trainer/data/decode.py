@@ -87,9 +87,12 @@ class StaticDecoder:
         # The mask of the whole cache: padding off, the rest on; causality comes from the cache's
         # position, so the same tensor serves the prefill and every step (one shape, no rebuild).
         full_mask = torch.cat([mask, mask.new_ones(rows, new_tokens)], dim=1)
+        flex = FlexMasks(full_mask, width) if FlexMasks.fit(self.target) else None
         prompt_positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as `generate` numbers them
-        logits = self.target(input_ids=ids, position_ids=prompt_positions, attention_mask=full_mask,
+        prompt_mask = flex.prefill if flex else full_mask
+        logits = self.target(input_ids=ids, position_ids=prompt_positions, attention_mask=prompt_mask,
                              use_cache=True, logits_to_keep=1, **cache).logits  # fmt: skip
+        step_mask = flex.step if flex else full_mask
         out = torch.empty(rows, new_tokens, dtype=torch.long, device=ids.device)
         out[:, 0] = logits[:, -1].argmax(-1)
         del logits
@@ -99,9 +102,76 @@ class StaticDecoder:
                 return out[:, :i]
             if self.graphed:
                 torch.compiler.cudagraph_mark_step_begin()
-            out[:, i] = self.step(self.stepper, out[:, i - 1 : i], positions, full_mask, cache)
+            out[:, i] = self.step(self.stepper, out[:, i - 1 : i], positions, step_mask, cache)
             positions = positions + 1
+            if flex:
+                flex.advance()
         return out
+
+
+class FlexMasks:
+    """The flex-attention masks of one batch, made here and handed to the model ready-made: the
+    prefill's, and the decode steps' (built once a batch, moved on in place at each step).
+
+    transformers (5.17 at least) makes them from the static cache's fill level, a tensor that the
+    first layer's cache write has already moved on when the kernel reads it: a decode step's query
+    also sees the empty slot after its own, and the prefill of a batch in a cache used before sees
+    every later prompt token (its answers are noise; on a fresh cache the level is still the number
+    0). Its per-step mask code also breaks the compiled step into about eight graphs a shape, with
+    the host waiting on the GPU at a check of the mask's values each step.
+
+    Slots are filled left to right, the same for every row: the prefill's query i sits at slot i,
+    decode step i's at slot width + i - 1. A query sees the slots up to its own that are not
+    padding; the kernel visits only the key blocks up to its own block."""
+
+    def __init__(self, full_mask: torch.Tensor, width: int):
+        from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE
+
+        rows = full_mask.shape[0]
+        self.block = _DEFAULT_SPARSE_BLOCK_SIZE
+        self.keep = full_mask.bool()
+        self.slot = torch.tensor(width, dtype=torch.int32, device=full_mask.device)
+        keep, slot = self.keep, self.slot
+
+        def prompt_visible(batch, head, query, key):
+            return keep[batch, key] & (key <= query)
+
+        def step_visible(batch, head, query, key):
+            return keep[batch, key] & (key <= slot)
+
+        query_blocks = -(-width // self.block)
+        prompt_blocks = torch.arange(1, query_blocks + 1)  # query block j: the key blocks up to j
+        self.prefill = {"full_attention": self.block_mask(prompt_visible, prompt_blocks, width)}
+        first = width // self.block + 1
+        self.visited = torch.full((rows, 1, 1), first, dtype=torch.int32, device=self.slot.device)
+        self.step = {"full_attention": self.block_mask(step_visible, self.visited, 1)}
+
+    def block_mask(self, visible, visited: torch.Tensor, queries: int):
+        """visited: the key blocks each query block visits, the first ones (every row alike, or
+        [rows, 1, query blocks] to move on in place)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        rows, length = self.keep.shape
+        key_blocks = -(-length // self.block)
+        device = self.keep.device
+        if visited.dim() == 1:
+            visited = visited.clamp(max=key_blocks).to(device, torch.int32).expand(rows, 1, -1).contiguous()
+        order = torch.arange(key_blocks, dtype=torch.int32, device=device)
+        order = order.expand(rows, 1, visited.shape[-1], key_blocks).contiguous()
+        return BlockMask.from_kv_blocks(visited, order, BLOCK_SIZE=self.block, mask_mod=visible,
+                                        seq_lengths=(queries, length))  # fmt: skip
+
+    @staticmethod
+    def fit(target) -> bool:
+        """A target on flex attention whose layers all attend to the whole past."""
+        config = target.config
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+        return config._attn_implementation == "flex_attention" and set(layer_types) == {"full_attention"}
+
+    def advance(self):
+        """The next step's slot, and the blocks up to it: device work, no wait on the host."""
+        self.slot.add_(1)
+        self.visited.copy_((self.slot // self.block + 1).expand_as(self.visited))
 
 
 @contextlib.contextmanager
