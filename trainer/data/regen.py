@@ -53,7 +53,9 @@ from .chat import (
 )
 from .decode import StaticDecoder
 
-REGEN_FORMAT = 2
+# In the cache key: shards made before the decoder built its own flex-attention masks (3) may hold
+# wrong answers (compiled on a GPU, a batch in a reused cache), so they are never read as current.
+REGEN_FORMAT = 3
 ENGINES = ("static", "continuous")
 HASH_CHUNK = 1 << 20
 # Each (rows, width) shape compiles the decode step once: a few per bucketed width, a dozen widths
