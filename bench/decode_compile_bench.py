@@ -105,13 +105,14 @@ def main() -> int:
     if args.one:
         run_one(args)
         return 0
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")  # the children's
     attention = args.attention or "the target's own"
     shapes = f"shapes {args.shapes}, {args.new_tokens} new tokens, attention {attention}"
     print(f"torch {torch.__version__}, {args.layers} layers, {shapes}")
     for scope in args.scopes.split(","):
         for dynamic in args.dynamic.split(","):
             root = Path(tempfile.mkdtemp(prefix="decode-compile-"))
-            cache = compile_cache.cache_directory(root)
+            cache = compile_cache.cache_directory(root, device)
             for start in ("cold", "warm"):
                 child = [
                     sys.executable, __file__, "--one", f"{scope}:{dynamic}", "--cache", str(cache),
