@@ -330,8 +330,9 @@ class DataConfig:
     """Compile the decode once for every batch shape, the rows and the cache length symbolic,
     instead of once per shape ('step' still records a CUDA graph per shape, a few steps' time).
     On a CPU (a 36-layer small Qwen3): one compile of 144 s served five shapes where each shape
-    took 50 s, the steady step as fast. On a GPU its decoding speed is not measured yet, and an
-    earlier form compiled for 235 s on an H200 (docs/PERFORMANCE.md), hence off."""
+    took 50 s, the steady step as fast. On an H200 (Qwen3-8B shape) the one compile took 135 s,
+    but a batch then decoded 2.5-3 times slower than with a compile per shape (docs/PERFORMANCE.md),
+    hence off."""
     regen_attention: str = "auto"
     """Static engine: the attention the target decodes with ('auto', 'sdpa', 'flex_attention',
     'eager'). 'auto' is flex attention when compiled on CUDA (it reads the grouped-query KV cache

@@ -11,10 +11,11 @@ compile shared by them all and no CUDA graphs: a shape compiles in a third of th
 step then waits on the host (one H200, Qwen3-8B shape: 2.4x slower; docs/PERFORMANCE.md). Either
 compiles once per batch shape, or, with data.regen_compile_dynamic, once for every shape (the rows
 and the cache length symbolic; in "step" a CUDA graph is still recorded per shape, which takes a
-few of its steps, not a compile). The
-mask covers the whole cache from the start (the cache's own position makes it causal), so
-nothing between steps depends on the step; and whether every row has ended is read once every
-STOP_CHECK_EVERY tokens. The host queues steps ahead of the GPU.
+few of its steps, not a compile; on an H200 it decodes 2.5-3x slower, hence off). The mask
+covers the whole cache from the start (the cache's own position makes it causal), so nothing
+between steps depends on the step; on flex attention the masks are made here (FlexMasks), one a
+batch moved on in place. Whether every row has ended is read once every STOP_CHECK_EVERY tokens.
+The host queues steps ahead of the GPU.
 
 Answers equal `generate`'s greedy ones: the same forward, the same argmax (of the same logits),
 and a row that has ended keeps decoding tokens that cut_answer drops at its end token.
