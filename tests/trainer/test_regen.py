@@ -631,6 +631,19 @@ def test_layer_compiled_decoding_gives_the_uncompiled_answers_with_one_compile_f
         StaticDecoder(target, compiled=True, scope="all")
 
 
+def left_padded_batches(tiny) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two batches (ids, mask) of chat prompts left-padded to widths 24 and 40: 2 and 4 rows."""
+    _, tokenizer, chat = tiny
+    pad = tokenizer.pad_token_id
+    questions = ["count to five", "name three colours and then count to ten", "say hello", "spell cat"]
+    batches = []
+    for rows, width in ((2, 24), (4, 40)):
+        texts = [chat.text(question) for question in questions[:rows]]
+        ids = torch.tensor([[pad] * (width - len(text)) + text for text in texts])
+        batches.append((ids, (ids != pad).long()))
+    return batches
+
+
 @pytest.mark.parametrize("scope", ["step", "layers"])
 def test_decoding_compiled_for_every_shape_compiles_once_and_gives_the_uncompiled_answers(tiny, scope):
     """data.regen_compile_dynamic: batches of other rows and widths run the one compile (rows and
@@ -640,14 +653,8 @@ def test_decoding_compiled_for_every_shape_compiles_once_and_gives_the_uncompile
 
     from trainer.data.decode import StaticDecoder
 
-    target, tokenizer, chat = tiny
-    pad, never = tokenizer.pad_token_id, -1
-    questions = ["count to five", "name three colours and then count to ten", "say hello", "spell cat"]
-    batches = []
-    for rows, width in ((2, 24), (4, 40)):
-        texts = [chat.text(question) for question in questions[:rows]]
-        ids = torch.tensor([[pad] * (width - len(text)) + text for text in texts])
-        batches.append((ids, (ids != pad).long()))
+    target, _, _ = tiny
+    batches, never = left_padded_batches(tiny), -1
     uncompiled = StaticDecoder(target, compiled=False)
     expected = [uncompiled.decode(ids, mask, 5, never) for ids, mask in batches]
     graphs = counters["stats"]["unique_graphs"]
@@ -670,14 +677,8 @@ def test_flex_attention_decoding_gives_the_sdpa_answers_also_in_a_cache_used_bef
     from trainer.data.decode import StaticDecoder
     from trainer.model.target import attention_of
 
-    target, tokenizer, chat = tiny
-    pad, never = tokenizer.pad_token_id, -1
-    questions = ["count to five", "name three colours and then count to ten", "say hello", "spell cat"]
-    batches = []
-    for rows, width in ((2, 24), (4, 40)):
-        texts = [chat.text(question) for question in questions[:rows]]
-        ids = torch.tensor([[pad] * (width - len(text)) + text for text in texts])
-        batches.append((ids, (ids != pad).long()))
+    target, _, _ = tiny
+    batches, never = left_padded_batches(tiny), -1
     batches.append(batches[0])  # the first shape again: its cache reused
     sdpa = StaticDecoder(target, compiled=False)
     expected = [sdpa.decode(ids, mask, 12, never) for ids, mask in batches]
