@@ -85,6 +85,7 @@ from trainer.data.rows import pack, valid_anchor_count
 from trainer.model.drafter import target_layer_ids
 from trainer.parallel.replica import Replica
 from trainer.parallel.topology import ThreadedTopology
+from trainer.run.flops import FlopShape
 
 PEAK_BF16_FLOPS = 989e12
 MATMUL_BF16_FLOPS = 790e12
@@ -240,25 +241,14 @@ def target_layers_run(shape: Shape) -> int:
     return target_layer_ids(shape.layers, shape.context_layers)[-1] + 1
 
 
-def flops_per_sample(shape: Shape, mean_visible_keys: float) -> dict[str, float]:
-    s, t = shape, shape.seq_len
-    q = s.anchors * s.block
-    attn_width = s.heads * s.head_dim
-    kv_width = s.kv_heads * s.head_dim
-    layers = target_layers_run(s)
-    target_params = layers * (
-        2 * s.hidden * attn_width + 2 * s.hidden * kv_width + 3 * s.hidden * s.intermediate
-    )
-    target = 2 * t * target_params + 2 * layers * attn_width * t * t
-    fc = 4 * t * s.context_layers * s.hidden * s.hidden
-    per_layer = (
-        6 * q * (2 * s.hidden * attn_width + 3 * s.hidden * s.intermediate)
-        + 6 * (t + q) * 2 * s.hidden * kv_width
-        + 12 * attn_width * q * mean_visible_keys
-    )
-    head = 4 * s.anchors * (s.block - 1) * s.vocab * s.hidden
-    drafter = fc + s.drafter_layers * per_layer + head
-    return {"target": target, "drafter": drafter, "target_linear_per_token": 2 * target_params}
+def flop_shape(shape: Shape) -> FlopShape:
+    """The product's FLOP count (trainer/run/flops.py) of this shape: one figure for both."""
+    return FlopShape(
+        hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        intermediate=shape.intermediate, vocab=shape.vocab, target_layers_run=target_layers_run(shape),
+        drafter_layers=shape.drafter_layers, context_layers=shape.context_layers, block=shape.block,
+        anchors=shape.anchors, seq_len=shape.seq_len,
+    )  # fmt: skip
 
 
 def synchronize(devices: list[torch.device]) -> None:
@@ -346,7 +336,7 @@ class Batches:
                 positions[slot, filled:] = torch.arange(t - filled)
         return ids, mask, positions
 
-    def useful(self, batch, flops: dict[str, float]) -> dict[str, float]:
+    def useful(self, batch) -> dict[str, float]:
         """Useful work in a batch: real tokens, valid anchors, and the FLOPs of both models counted
         over real tokens (target: linear layers per token, attention per conversation) and valid
         anchors only (drafter)."""
@@ -355,10 +345,8 @@ class Batches:
         lengths = [s.seq_len] * positions.shape[0] if self.mix == "full" else self.lengths_of[id(batch[0])]
         real_tokens = sum(lengths)
         valid = valid_anchor_count(mask, positions, s.anchors)
-        attention = 2 * target_layers_run(s) * s.heads * s.head_dim * sum(x * x for x in lengths)
-        target = flops["target_linear_per_token"] * real_tokens + attention
-        drafter = flops["drafter"] * valid / s.anchors
-        return {"real_tokens": real_tokens, "valid_anchors": valid, "flops": target + drafter}
+        useful = flop_shape(s).useful(real_tokens, sum(x * x for x in lengths), valid)
+        return {"real_tokens": real_tokens, "valid_anchors": valid, "flops": useful}
 
 
 def measure(name, shape, topology, devices, global_batch, started, log, args, out_dir) -> dict:
@@ -387,13 +375,12 @@ def measure(name, shape, topology, devices, global_batch, started, log, args, ou
         label = name if batch.mix == "full" else f"{name}_{batch.mix}"
         profile_steps(topology, batch, devices, out_dir / f"trace_{label}.json")
 
-    # Sorted anchors drawn uniformly from T positions see on average (T-1)/2 context keys + a block.
-    visible = (shape.seq_len - 1) / 2 + shape.block
-    flops = flops_per_sample(shape, visible)
+    counted = flop_shape(shape)
+    flops = counted.per_row(counted.mean_visible_keys())
     per_step = global_batch * (flops["target"] + flops["drafter"])
     gpus = global_batch // shape.batch if devices[0].type == "cuda" else 0
     peak = max((torch.cuda.max_memory_allocated(d) for d in devices if d.type == "cuda"), default=0)
-    useful = [batch.useful(b, flops) for b in batches]
+    useful = [batch.useful(b) for b in batches]
     real_tokens = sum(u["real_tokens"] for u in useful) / len(useful)
     valid_anchors = sum(u["valid_anchors"] for u in useful) / len(useful)
     useful_flops = sum(u["flops"] for u in useful) / len(useful)
