@@ -42,6 +42,7 @@ from ..parallel.topology import ThreadedTopology, ThreadedWorld
 from . import runrecord
 from .checkpoint import HostStaging, prune_checkpoints, save_checkpoint
 from .environment import resolve_devices
+from .flops import FlopShape, peak_flops, squared_conversation_lengths
 from .recompiles import RecompileWatch
 from .regen import DataSource, Engines, prepare_data
 from .resume import (
@@ -172,7 +173,7 @@ def run_training(cfg: Config, out_dir: Path, resume: bool, place: Placement) -> 
         prepared = load_data(cfg, models, place, out, stop)
         if world.any(prepared is None):
             return checkpoint_and_stop(out, stop, world, out_dir, begun)
-        run = Run(cfg, out_dir, out, stop, world, topology, models, *prepared)
+        run = Run(cfg, out_dir, out, stop, world, topology, models, *prepared, gpus=place.workers)
         step = run.restore(resume_from, place.shape)
         resume_from = None  # the state's tensors are in the model now: drop the copy
         return training_loop(run, step)
@@ -340,9 +341,11 @@ class Run:
     """What the loop works with once setup is done: the workers, the data, the output, and the
     evaluation, checkpoint and progress steps."""
 
-    def __init__(self, cfg, out_dir, out, stop, world, topology, models, loader, eval_prompts):
+    def __init__(self, cfg, out_dir, out, stop, world, topology, models, loader, eval_prompts, gpus=1):
         self.cfg, self.out_dir, self.out, self.stop, self.world = cfg, out_dir, out, stop, world
         self.topology, self.models, self.loader, self.eval_prompts = topology, models, loader, eval_prompts
+        self.gpus = gpus  # the run's workers: each step's global batch is theirs
+        self.flop_shape = FlopShape.of(models.target.config, models.layer_ids, cfg.drafter, cfg.train.seq_len)
         self.recompiles = RecompileWatch()
         self.tau0: float | None = None
         self.tau0_step = 0  # the step tau0 was evaluated at: a resume stands in for a step 0 never finished
@@ -475,7 +478,8 @@ class Run:
         self.out.line(
             f"step {step}/{total} loss {loss:.4f} lr {lr:.2e} tok/s {window['tokens_per_s']:.0f} "
             f"padding {window['padding_share']:.0%} anchors {window['valid_anchor_share']:.0%} "
-            f"eta {format_eta(eta)}"
+            + (f"mfu {window['mfu']:.0%} " if "mfu" in window else "")
+            + f"eta {format_eta(eta)}"
         )
         if row:
             metrics = {"kind": "train", "step": step, "loss": loss, "lr": lr, **window}
@@ -508,27 +512,31 @@ def evaluations(out_dir: Path, up_to: int | None = None) -> dict[int, float]:
 
 @dataclass
 class StepCount:
-    """What one step's batch held: conversations' tokens, row slots, valid anchors, anchor slots."""
+    """What one step's batch held: conversations' tokens, row slots, valid anchors, anchor slots,
+    and the useful FLOPs of its work (trainer/run/flops.py)."""
 
     real_tokens: int
     row_tokens: int
     valid_anchors: int
     anchor_slots: int
+    useful_flops: float = 0.0
 
 
 class Throughput:
     """Over the steps since the last report: real tokens (conversations' tokens, not padding) per
-    second, the padding share of the rows, the share of anchor slots with a real anchor; and the
-    time left."""
+    second, the padding share of the rows, the share of anchor slots with a real anchor, the useful
+    TFLOP/s per GPU and (where the GPU's peak is known) the model FLOPs utilisation; and the time
+    left. gpus: the run's workers, whose global batch each step counts."""
 
-    def __init__(self, total_steps: int):
+    def __init__(self, total_steps: int, gpus: int = 1, peak_flops: float | None = None):
         self.total_steps = total_steps
+        self.gpus, self.peak_flops = max(gpus, 1), peak_flops
         self.started = self.window_start = time.monotonic()
         self.counts = StepCount(0, 0, 0, 0)
         self.steps = 0
 
     def add(self, count: StepCount) -> None:
-        for name in ("real_tokens", "row_tokens", "valid_anchors", "anchor_slots"):
+        for name in ("real_tokens", "row_tokens", "valid_anchors", "anchor_slots", "useful_flops"):
             setattr(self.counts, name, getattr(self.counts, name) + getattr(count, name))
         self.steps += 1
 
@@ -542,16 +550,21 @@ class Throughput:
             "row_tokens_per_s": c.row_tokens / seconds,
             "padding_share": 1 - c.real_tokens / max(c.row_tokens, 1),
             "valid_anchor_share": c.valid_anchors / max(c.anchor_slots, 1),
+            "tflops_per_gpu": c.useful_flops / seconds / self.gpus / 1e12,
         }
+        if self.peak_flops:
+            window["mfu"] = c.useful_flops / seconds / (self.gpus * self.peak_flops)
         eta = (now - self.window_start) / max(self.steps, 1) * (self.total_steps - step)
         self.window_start, self.counts, self.steps = now, StepCount(0, 0, 0, 0), 0
         return window, eta, now - self.started
 
 
-def count_batch(batch: Batch, num_anchors: int) -> StepCount:
+def count_batch(batch: Batch, num_anchors: int, shape: FlopShape) -> StepCount:
     valid = valid_anchor_count(batch.loss_mask, batch.position_ids, num_anchors)
-    rows = batch.input_ids.shape[0]
-    return StepCount(batch.real_tokens, batch.input_ids.numel(), valid, rows * num_anchors)
+    rows, real_tokens = batch.input_ids.shape[0], batch.real_tokens
+    squared = squared_conversation_lengths(batch.position_ids, batch.real)
+    useful = shape.useful(real_tokens, squared, valid)
+    return StepCount(real_tokens, batch.input_ids.numel(), valid, rows * num_anchors, useful)
 
 
 def train_step(topology: Topology, loader: Loader) -> tuple[StepLoss | float, Batch, torch.Tensor]:
@@ -597,14 +610,14 @@ def training_loop(run: Run, step: int) -> int:
         if run.tau0 is None:
             return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
     run.tau = run.tau if run.tau is not None else run.tau0
-    meter = Throughput(total)
+    meter = Throughput(total, run.gpus, peak_flops(run.models.replicas[0].device))
     started = step
     while step < total:
         if run.world.any(run.stop()):
             return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
         loss, batch, _ = train_step(run.topology, run.loader)
         step += 1
-        meter.add(count_batch(batch, cfg.drafter.num_anchors))
+        meter.add(count_batch(batch, cfg.drafter.num_anchors, run.flop_shape))
         logs = step == total or every(step, cfg.train.log_every)
         # The first step of every start is logged too: launch.yml waits for a progress line, and
         # the recipe logs every 50 steps (80 s on one H200).
