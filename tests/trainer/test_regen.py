@@ -412,6 +412,30 @@ def test_a_short_or_unsealed_shard_is_named_and_regenerated_never_read_short(
     assert regen.damaged() == [] and regenerated(regen) == reference
 
 
+def test_the_other_regenerations_in_the_cache_are_named_with_their_size_never_touched(
+    tmp_path, tiny, data_and_reference
+):
+    """A start says what else the cache's regenerated folder holds (another key: an earlier format,
+    data file or target) and how big it is, so the space can be given back; it removes nothing."""
+    from trainer.run.regen import others_line
+
+    data, _ = data_and_reference
+    regen = regeneration(tmp_path, data, tiny)
+    assert others_line(regen) is None  # nothing in the cache yet
+    regen.prepare()
+    assert others_line(regen) is None  # only this run's own
+    older = regen.directory.parent / "an-earlier-key"
+    older.mkdir()
+    (older / "shard-000000-000004.jsonl").write_bytes(b"x" * 1_500_000)
+    (older / "shard-000000-000004.sha256").write_text("0" * 64)
+    assert regen.others() == [(older, 1_500_064)]
+    line = others_line(regen)
+    assert line.startswith(f"data: {regen.directory.parent} also holds 1 other regeneration(s), 1.5 MB")
+    assert "(an-earlier-key)" in line and "delete them to free the space" in line
+    kept = ["shard-000000-000004.jsonl", "shard-000000-000004.sha256"]
+    assert sorted(p.name for p in older.iterdir()) == kept
+
+
 def test_garbage_inside_a_shard_is_named_never_a_traceback_and_the_next_start_regenerates_it(
     tmp_path, tiny, data_and_reference
 ):

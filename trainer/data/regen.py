@@ -577,6 +577,18 @@ class Regeneration:
         gone = set(self.missing())
         return sum(e - s for i, (s, e) in enumerate(self.ranges) if i not in gone)
 
+    def others(self) -> list[tuple[Path, int]]:
+        """The other regenerations beside this one in the cache (another data file, target,
+        setting of the key or format), with their bytes: this run never reads them. A directory
+        removed while this looks is left out."""
+        found = []
+        for directory in sorted(self.directory.parent.glob("*")):
+            if directory == self.directory or not directory.is_dir():
+                continue
+            with contextlib.suppress(OSError):
+                found.append((directory, sum(f.stat().st_size for f in directory.iterdir() if f.is_file())))
+        return found
+
     def prepare(self) -> None:
         """The directory, and no temporary file of a killed writer left behind (never read)."""
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -143,12 +143,31 @@ def prepare_data(cfg: Config, source: DataSource, engines: Engines, world, out, 
     )  # fmt: skip
     for path, why in regeneration.damaged():
         out.line(f"data: {path} cannot be used: {why}; it is regenerated")
+    if line := others_line(regeneration):
+        out.line(line)
     try:
         if not regenerate_missing(cfg, regeneration, engines, world, out, should_stop, out_dir):
             return None
     except DataError as exc:
         raise BadInput(str(exc)) from None
     return PreparedData(regeneration.examples(0, train_end), prompts, key, regeneration, index)
+
+
+def others_line(regeneration: Regeneration) -> str | None:
+    """What the cache holds beside this run's regeneration, which the run never reads: a line
+    saying how much, so that the space can be given back (after a change of the data, the target,
+    the answers' settings or the regeneration's format the old answers stay on disk)."""
+    others = regeneration.others()
+    if not others:
+        return None
+    size = sum(size for _, size in others)
+    amount = f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+    names = ", ".join(path.name for path, _ in others[:3]) + (", ..." if len(others) > 3 else "")
+    return (
+        f"data: {regeneration.directory.parent} also holds {len(others)} other regeneration(s), "
+        f"{amount} ({names}), which this run does not read (another data file, target, "
+        "answer setting or format): delete them to free the space, unless another run uses them"
+    )
 
 
 def read_index(train_file: Path, out, seed) -> DataIndex:
