@@ -237,6 +237,14 @@ def test_the_key_streams_the_file_and_covers_what_decides_the_answers(tmp_path, 
     changes = ({"max_new_tokens": 11}, {"dtype": "bfloat16"}, {"engine": "continuous"})
     for changed in (*changes, {"max_prompt_tokens": 64}):
         assert regen_key(data, target_path, target_path, settings(**changed)) != key, changed
+    # Shards of an earlier format (answers made with transformers' flex masks) are never current.
+    from trainer.data import regen as regen_module
+
+    current = regen_module.REGEN_FORMAT
+    monkeypatch.setattr(regen_module, "REGEN_FORMAT", current - 1)
+    assert regen_key(data, target_path, target_path, settings()) != key
+    monkeypatch.setattr(regen_module, "REGEN_FORMAT", current)
+    assert regen_key(data, target_path, target_path, settings()) == key
     with data.open("ab") as handle:
         handle.write(b"y")
     assert regen_key(data, target_path, target_path, settings()) != key
