@@ -14,12 +14,16 @@
 #          regen.yml (its compile cache filled where it was not), the shards removed and regen.yml
 #          again over the warm cache, then regen_bench --chat in a fresh process over that cache
 #          (one call, the product's shards and turns as the stage makes them; the file's prompts in
-#          one call). COMPARE_CONVERSATIONS (default 256) in shards of COMPARE_SHARD (default 256);
-#          COMPARE_ROWS the bench's rows (default shards,static; shards alone skips the one-call
-#          row's compiles); settings the regeneration is given in EXTRA_SET (data.regen_*) go to
-#          the bench too, in COMPARE_BENCH_ARGS (e.g. --decode-scope layers --batch-size 512).
-#          A cold compile takes minutes: run it twice on a machine kept warm if one call ends first.
-# Usage: scripts/gpu_recipe.sh data|train|export|compare|all
+#          one call). COMPARE_CONVERSATIONS (default 256) in shards of COMPARE_SHARD (default the
+#          product's, 1024); COMPARE_ROWS the bench's rows (default shards,static; shards alone skips
+#          the one-call row's compiles); settings the regeneration is given in EXTRA_SET
+#          (data.regen_*) go to the bench too, in COMPARE_BENCH_ARGS (e.g. --decode-scope layers).
+#   warm-compare: compare without its first pass, over the data stage's chat set and compile cache
+#          (after data, train and export: it regenerates the set again, the run's shards replaced by
+#          the same ones).
+# Usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, all), in order;
+# e.g. `data`, then `train`, then `export warm-compare`: the recipe from an empty state and the
+# product's regeneration against its bench, in three calls.
 # Each stage fits a device call of ten minutes. On one H200 (2026-12-03, docs/PERFORMANCE.md): data
 # 7.7 min (the budget stopped it: compiling is most of it), train 8.1 min with STEPS=24, export 2.5
 # min. `all` is the three in one go. A stage finds what the one before left in $RECIPE_DIR (default
@@ -33,7 +37,7 @@
 # Every process it starts is ended by PID, also on failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?usage: scripts/gpu_recipe.sh data|train|export|compare|all}
+STAGE=${1:?usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, all)}
 OUT=${OUT:-/tmp/gpu_recipe}
 # compare builds its own, smaller chat set: a directory of its own, so data and train find theirs.
 RECIPE_DIR=${RECIPE_DIR:-/tmp/dflash-$([ "$STAGE" = compare ] && echo compare || echo recipe)}
@@ -201,34 +205,46 @@ stage_export() {
         2>&1 | grep -v "^Loading" | tee "$OUT/reference_check.log" | tail -n 8 | sed 's/^/   /'
 }
 
-stage_compare() {
-    local conversations=${COMPARE_CONVERSATIONS:-256} shard=${COMPARE_SHARD:-256}
-    CONVERSATIONS=$conversations build_model
-    EXTRA_SET="data.regen_shard_size=$shard${EXTRA_SET:+,$EXTRA_SET}" write_vars
-    local log=$STATE/workspace/train_qwen3-8b.log regenerated=$STATE/workspace/cache/regenerated
-    for pass in first warm; do
-        rm -rf "$regenerated"
-        say "regen.yml ($pass): $conversations conversations in shards of $shard, $NEW_TOKENS new tokens"
-        playbook regen "regen_$pass.log" -e run=qwen3-8b
-        wait_for_end "$REGEN_BUDGET_S" || { playbook stop "stop_$pass.log" || true; say "stopped for the call's time"; }
-        grep -E "compile cache|regenerated [0-9]+ conversations" "$log" | tail -n 2 | sed 's/^/   /'
-    done
+regen_pass() {  # regen_pass NAME: regen.yml over no regenerated data, to its end or REGEN_BUDGET_S
+    local log=$STATE/workspace/train_qwen3-8b.log
+    rm -rf "$STATE/workspace/cache/regenerated"
+    say "regen.yml ($1): $(wc -l <"$MODEL/chat.jsonl") conversations, $NEW_TOKENS new tokens"
+    playbook regen "regen_$1.log" -e run=qwen3-8b
+    wait_for_end "$REGEN_BUDGET_S" || { playbook stop "stop_$1.log" || true; say "stopped for the call's time"; }
+    grep -E "compile cache|regenerated [0-9]+ conversations" "$log" | tail -n 2 | sed 's/^/   /'
+}
+
+stage_warm_compare() {  # the data stage's set again over the warm compile cache, then regen_bench on it
+    regen_pass warm
     say "regen_bench: the same file and target, a fresh process over the product's compile cache"
     # shellcheck disable=SC2086 # COMPARE_BENCH_ARGS is a list of arguments
     python3 bench/regen_bench.py --rows "${COMPARE_ROWS:-shards,static}" --chat "$MODEL/chat.jsonl" \
-        --target "$MODEL/target" --new-tokens "$NEW_TOKENS" --shard-size "$shard" --seq-len 3072 ${COMPARE_BENCH_ARGS:-} \
+        --target "$MODEL/target" --new-tokens "$NEW_TOKENS" --shard-size "$SHARD" --seq-len 3072 ${COMPARE_BENCH_ARGS:-} \
         --compile-cache "$STATE/workspace/cache/compile" 2>&1 | grep -v -i "warn" | tee "$OUT/regen_bench.log" \
-        | grep -E "pass|calls|prompts,|compile cache|Dynamo" | sed 's/^/   /'
+        | grep -E "pass|calls|prompts,|compile cache|Dynamo|phases" | sed 's/^/   /'
 }
 
+stage_compare() {
+    CONVERSATIONS=${COMPARE_CONVERSATIONS:-256} build_model
+    regen_pass first
+    stage_warm_compare
+}
+
+# compare's regeneration in shards of COMPARE_SHARD, which the bench is given too; the product's
+# default (data.regen_shard_size) otherwise.
+SHARD=${COMPARE_SHARD:-1024}
+if [ -n "${COMPARE_SHARD:-}" ]; then EXTRA_SET="data.regen_shard_size=$SHARD${EXTRA_SET:+,$EXTRA_SET}"; fi
 write_vars
 say "GPUs: $(gpus | tr '\n' ';') disk: $(df -h /tmp | tail -1)"
-case "$STAGE" in
-    data) stage_data ;;
-    train) stage_train ;;
-    export) stage_export ;;
-    compare) stage_compare ;;
-    all) stage_data; stage_train; stage_export ;;
-    *) echo "usage: scripts/gpu_recipe.sh data|train|export|compare|all" >&2; exit 2 ;;
-esac
-say "== $STAGE done"
+for stage in "${@}"; do
+    case "$stage" in
+        data) stage_data ;;
+        train) stage_train ;;
+        export) stage_export ;;
+        compare) stage_compare ;;
+        warm-compare) stage_warm_compare ;;
+        all) stage_data; stage_train; stage_export ;;
+        *) echo "usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, all)" >&2; exit 2 ;;
+    esac
+    say "== $stage done"
+done
