@@ -246,6 +246,39 @@ def test_loader_resumes_exactly_from_a_small_state(tmp_path):
         Loader(other, 7, 5).load_state_dict(state)
 
 
+def test_a_loader_on_data_prepared_again_goes_on_from_the_same_share_of_the_epoch(tmp_path):
+    """The checkpoint's data and this start's differ (another key, other rows: the data made again):
+    the same epoch, the same share of it, an order from the same generator; and it says so."""
+    before = open_or_build(tmp_path, "before", TinyChat(), lambda: examples(60), log=lambda _: None)
+    after = open_or_build(tmp_path, "after", TinyChat(), lambda: examples(90), log=lambda _: None)
+    old_set = build_train_set(before, seq_len=32, pad_id=0, packing=True, seed=0)
+    new_set = build_train_set(after, seq_len=32, pad_id=0, packing=True, seed=0)
+    assert new_set.rows > old_set.rows
+    loader = Loader(old_set, batch_size=2, seed=5)
+    for _ in range(old_set.rows // 2 + old_set.rows // 4):  # into the second epoch
+        loader.next_batch()
+    state = torch.load(_saved(tmp_path, loader.state_dict()), weights_only=True)
+    assert (state["epoch"], state["data"]) == (1, before.path.name)
+
+    resumed = Loader(new_set, batch_size=2, seed=5)
+    resumed.load_state_dict(state)
+    assert resumed.changed_data == {"data": before.path.name, "rows": old_set.rows}
+    assert resumed.epoch == 1
+    assert resumed.cursor == round(state["cursor"] * new_set.rows / old_set.rows)
+    generator = torch.Generator()
+    generator.set_state(state["epoch_start_generator"])
+    assert torch.equal(resumed.order, torch.randperm(new_set.rows, generator=generator))
+    resumed.next_batch()  # rows of the new data
+
+    unchanged = Loader(old_set, batch_size=2, seed=5)
+    unchanged.load_state_dict(state)
+    assert unchanged.changed_data is None and unchanged.cursor == state["cursor"]
+    earlier = {key: value for key, value in state.items() if key != "data"}  # an earlier version's
+    resumed = Loader(new_set, batch_size=2, seed=5)
+    resumed.load_state_dict(earlier)
+    assert resumed.changed_data == {"data": None, "rows": old_set.rows} and resumed.epoch == 1
+
+
 def _saved(tmp_path: Path, state: dict) -> Path:
     path = tmp_path / "loader.pt"
     torch.save(state, path)

@@ -349,6 +349,27 @@ def test_a_resumed_run_stopped_before_training_stays_at_its_checkpoint_s_step(
     assert (record["state"], record["exit_reason"]) == ("stopped", "stopped at step 4, before training began")
 
 
+def test_a_run_resumed_on_data_prepared_again_trains_on_and_says_so(tmp_path, cache_dir, embedded):
+    """The data file changed under a checkpoint (or a newer version prepared the data again): the
+    resume goes on from the same share of its epoch on the new rows, and its line says so."""
+    data = tmp_path / "chat.jsonl"
+    shutil.copy(embedded[1], data)
+    out = tmp_path / "out"
+    args = ["--run", "eager", "--seed", "5", "--set", f"data.cache_dir={cache_dir}", "--set",
+            f"data.train_file={data}", "--set", f"model.target_path={embedded[0]}", "--set",
+            "train.eval_every=0", "--set", "train.checkpoint_every=4",
+            *FAST, "--out", str(out)]  # fmt: skip
+    first = run_trainer(*args, "--steps", "4")
+    assert first.returncode == 0, first.stderr
+    lines = embedded[1].read_text().splitlines()
+    data.write_text("\n".join(lines + lines[: len(lines) // 2]) + "\n")  # half as many again
+    resumed = run_trainer(*args, "--steps", "8", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    said = next(line for line in resumed.stdout.splitlines() if "resumed from" in line)
+    assert "the data is not the one the checkpoint trained on" in said, said
+    assert [row["step"] for row in metrics(out) if "loss" in row][-1] == 8
+
+
 def test_drafter_weights_evaluates_earlier_weights_and_gives_back_its_own_bit_for_bit():
     from trainer.run.train import drafter_weights, host_copy
 

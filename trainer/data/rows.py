@@ -163,6 +163,7 @@ class Loader:
         self.generator = torch.Generator().manual_seed(seed)
         self.epoch = 0
         self.cursor = 0
+        self.changed_data: dict | None = None  # set by load_state_dict: the checkpoint's other data
         self._new_order()
 
     def _new_order(self) -> None:
@@ -198,10 +199,15 @@ class Loader:
             "epoch": self.epoch,
             "cursor": self.cursor,
             "rows": self.train_set.rows,
+            "data": self.train_set.store.path.name,  # the token store's key: which data the rows are
             "epoch_start_generator": self.epoch_start_state.clone(),
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """The checkpoint's position. Where the data is not the checkpoint's (made again: a newer
+        regeneration format, or the data file changed in place), the run continues at the same
+        epoch and the same share of it, its order drawn from the same generator over the new rows;
+        `changed_data` then says so."""
         if "order" in state:  # a checkpoint from before the token store: the order itself is saved
             rows, order = len(state["order"]), state["order"].clone()
         else:
@@ -211,16 +217,23 @@ class Loader:
                 "the checkpoint was written before packed rows, with one conversation per row: "
                 "resume it with --set train.packing=false"
             )
-        if rows != self.train_set.rows:
+        # The data's key, absent in checkpoints of earlier versions: there other rows mean other data
+        # (check_resumable refuses another train.seq_len or train.packing before this).
+        data, ours = state.get("data"), self.train_set.store.path.name
+        same = rows == self.train_set.rows and data in (None, ours)
+        if (order is not None or data == ours) and not same:
             raise ValueError(
                 f"the checkpoint's data has {rows} rows and this run's has {self.train_set.rows}: "
                 "resume with the data, train.seq_len and train.packing the run started with"
             )
+        self.changed_data = None if same else {"data": data, "rows": rows}
         self.epoch = int(state["epoch"])
         self.cursor = int(state["cursor"])
         if order is not None:
             self.order = order
             self.generator.set_state(state["generator"])
             return
+        if not same:
+            self.cursor = min(round(self.cursor * self.train_set.rows / max(rows, 1)), self.train_set.rows)
         self.generator.set_state(state["epoch_start_generator"])
         self._new_order()

@@ -300,7 +300,7 @@ def describe_resume(point: ResumePoint, shape: Shape, loader: Loader, batch_size
     the run continues."""
     state = point.state
     how = f" ({point.how})" if point.how else ""
-    line = f"resumed from {point.path} at step {state['step']}{how}"
+    line = f"resumed from {point.path} at step {state['step']}{how}" + changed_data_text(loader)
     saved = saved_shape(state)
     if saved.same_as(shape):
         return line
@@ -312,4 +312,18 @@ def describe_resume(point: ResumePoint, shape: Shape, loader: Loader, batch_size
         f"the global batch is now {shape.workers * batch_size} rows (was {saved.workers * batch_size}); "
         "the step count, learning-rate schedule and optimizer state continue by step, each worker's "
         f"anchor stream {streams}; the run is no longer bit-exact with the original"
+    )
+
+
+def changed_data_text(loader: Loader) -> str:
+    """What the resume line adds where the data is not the checkpoint's (Loader.load_state_dict)."""
+    changed = getattr(loader, "changed_data", None)
+    if not changed:
+        return ""
+    where = loader.position()
+    return (
+        f"; the data is not the one the checkpoint trained on ({changed['rows']:,} rows, now "
+        f"{where['rows']:,}: prepared again, by a newer regeneration format or from a changed data "
+        f"file): training goes on with it from the same share of epoch {where['epoch'] + 1} "
+        f"({where['rows_done']:,} of {where['rows']:,} rows done)"
     )
