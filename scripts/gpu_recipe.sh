@@ -27,7 +27,8 @@
 # Each stage fits a device call of ten minutes. On one H200 (2026-12-03, docs/PERFORMANCE.md): data
 # 7.7 min (the budget stopped it: compiling is most of it), train 8.1 min with STEPS=24, export 2.5
 # min. On one H100 (2026-12-05) with CONVERSATIONS=512: data 7.5 min from an empty state (the cold
-# compile most of it), warm-compare 6.9 min. `all` is data, train and export in one go. A stage finds what the one before left in $RECIPE_DIR (default
+# compile most of it), warm-compare 6.9 min. `all` is data, train and export in one go.
+# A stage finds what the one before left in $RECIPE_DIR (default
 # /tmp/dflash-recipe: a machine that stayed warm between calls, as one does when the next call
 # starts within its 30 s); train and data otherwise rebuild the target (the same weights: a fixed
 # seed and a fixed file time, so the regeneration's key is the same) and train unpacks $REGENERATED
