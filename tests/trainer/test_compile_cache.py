@@ -4,6 +4,7 @@ once leave only whole bundles; another software stack gets a directory of its ow
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -44,6 +45,8 @@ def test_a_fresh_process_loads_what_the_first_compiled(tmp_path, monkeypatch):
     directory = compile_cache.cache_directory(tmp_path / "compile")
     cold = finish(compile_in_a_fresh_process(directory, env))
     assert f"compile cache: cold (compiling into {directory})" in cold
+    spent = re.search(r"compile cache: ([0-9.]+) s of ([0-9.]+) s in torch.compile", cold)
+    assert spent and 0 < float(spent[1]) <= float(spent[2]), cold  # the block's time, most of it compiling
     assert "bundles 1" in cold
     # Two fresh processes at once, both over the saved cache: both warm, only whole bundles after.
     both = [compile_in_a_fresh_process(directory, env) for _ in range(2)]
@@ -71,7 +74,8 @@ def test_an_unreadable_bundle_is_skipped_and_said(tmp_path, monkeypatch):
     lines = []
     with compile_cache.persisted(directory, lines.append):
         pass
-    assert lines == [f"compile cache: cold (compiling into {directory}; 1 unreadable bundle(s) skipped)"]
+    assert lines[0] == f"compile cache: cold (compiling into {directory}; 1 unreadable bundle(s) skipped)"
+    assert lines[1].startswith("compile cache: 0.0 s of ") and len(lines) == 2
 
 
 def test_a_bundle_torch_cannot_make_costs_only_the_next_start(tmp_path, monkeypatch):
