@@ -217,11 +217,14 @@ regen_pass() {  # regen_pass NAME: regen.yml over no regenerated data, to its en
 }
 
 stage_warm_compare() {  # the data stage's set again over the warm compile cache, then regen_bench on it
+    # The run's train.seq_len (the recipe's 3,072 unless EXTRA_SET sets it): turns past it are left out.
+    local seq_len
+    seq_len=$(echo ",$EXTRA_SET," | sed -n 's/.*,train\.seq_len=\([0-9]*\),.*/\1/p')
     regen_pass warm
     say "regen_bench: the same file and target, a fresh process over the product's compile cache"
     # shellcheck disable=SC2086 # COMPARE_BENCH_ARGS is a list of arguments
     python3 bench/regen_bench.py --rows "${COMPARE_ROWS:-shards,static}" --chat "$MODEL/chat.jsonl" \
-        --target "$MODEL/target" --new-tokens "$NEW_TOKENS" --shard-size "$SHARD" --seq-len 3072 ${COMPARE_BENCH_ARGS:-} \
+        --target "$MODEL/target" --new-tokens "$NEW_TOKENS" --shard-size "$SHARD" --seq-len "${seq_len:-3072}" ${COMPARE_BENCH_ARGS:-} \
         --compile-cache "$STATE/workspace/cache/compile" 2>&1 | grep -v -i "warn" | tee "$OUT/regen_bench.log" \
         | grep -E "pass|calls|prompts,|compile cache|Dynamo|phases" | sed 's/^/   /'
 }
