@@ -213,7 +213,23 @@ regen_pass() {  # regen_pass NAME: regen.yml over no regenerated data, to its en
     say "regen.yml ($1): $(wc -l <"$MODEL/chat.jsonl") conversations, $NEW_TOKENS new tokens"
     playbook regen "regen_$1.log" -e run=qwen3-8b
     wait_for_end "$REGEN_BUDGET_S" || { playbook stop "stop_$1.log" || true; say "stopped for the call's time"; }
-    grep -E "compile cache|regenerated [0-9]+ conversations" "$log" | tail -n 2 | sed 's/^/   /'
+    grep -E "compile cache|regenerated [0-9]+ conversations" "$log" | tail -n 3 | sed 's/^/   /'
+    decode_rate "$log"
+}
+
+decode_rate() {  # decode_rate LOG: the last regeneration's tokens over its worker's time outside torch.compile
+    python3 - "$1" <<'EOF'
+import re, sys
+text = open(sys.argv[1]).read()
+spent = re.findall(r"compile cache: ([0-9.]+) s of ([0-9.]+) s in torch.compile", text)
+done = re.findall(r"regenerated [0-9,]+ conversations, ([0-9,]+) tokens", text)
+if spent and done:
+    compiling, total = map(float, spent[-1])
+    tokens = int(done[-1].replace(",", ""))
+    print(f"   decoding: {tokens:,} tokens in {total - compiling:.1f} s outside torch.compile, CUDA graph recording in it "
+          f"({tokens / max(total - compiling, 1e-9):,.0f} tok/s; compiling {compiling:.1f} s of {total:.1f} s): "
+          "the figure to set beside the bench's steady pass")
+EOF
 }
 
 stage_warm_compare() {  # the data stage's set again over the warm compile cache, then regen_bench on it
