@@ -323,7 +323,8 @@ def changed_data_text(loader: Loader) -> str:
     where = loader.position()
     return (
         f"; the data is not the one the checkpoint trained on ({changed['rows']:,} rows, now "
-        f"{where['rows']:,}: prepared again, by a newer regeneration format or from a changed data "
-        f"file): training goes on with it from the same share of epoch {where['epoch'] + 1} "
+        f"{where['rows']:,}: prepared again, after a newer regeneration format, a change of the data "
+        f"file or of train.eval_prompts): training goes on with it from the same share of epoch "
+        f"{where['epoch'] + 1} "
         f"({where['rows_done']:,} of {where['rows']:,} rows done)"
     )
