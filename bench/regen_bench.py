@@ -208,7 +208,7 @@ def batch_times(device):
         StaticDecoder.decode = plain
 
 
-def compile_seconds() -> dict[str, float]:
+def compile_phase_seconds() -> dict[str, float]:
     """Seconds spent so far in each of torch.compile's timed phases (nested: a phase's time holds
     its parts')."""
     return {name: sum(times) for name, times in compilation_time_metrics.items()}
@@ -217,7 +217,7 @@ def compile_seconds() -> dict[str, float]:
 def print_compile_phases(before: dict[str, float], top: int = 8) -> None:
     """The compile phases that took longest since `before`: where a warm start's time goes (Dynamo's
     tracing, AOTAutograd, Inductor's cache loads)."""
-    spent = {name: seconds - before.get(name, 0.0) for name, seconds in compile_seconds().items()}
+    spent = {name: seconds - before.get(name, 0.0) for name, seconds in compile_phase_seconds().items()}
     longest = sorted((item for item in spent.items() if item[1] >= 0.5), key=lambda item: -item[1])[:top]
     if longest:
         print("    compile phases: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in longest))
@@ -526,7 +526,7 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
 
                     for attempt in (1, 2):  # the first pass compiles each new shape
                         name = f"{row} B{batch_size}{'' if len(scopes) == 1 else ' ' + scope} pass {attempt}"
-                        graphs, phases = counters["stats"]["unique_graphs"], compile_seconds()
+                        graphs, phases = counters["stats"]["unique_graphs"], compile_phase_seconds()
                         with batch_times(device) as batches:
                             timed(name, device, run, prompts, limit, args.profile and attempt == 2)
                         print(f"    Dynamo compiled {counters['stats']['unique_graphs'] - graphs} graph(s)")
