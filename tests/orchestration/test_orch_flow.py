@@ -176,7 +176,8 @@ def test_status_reports_gpus_and_a_reused_pid(state_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_stop_kills_a_trainer_that_does_not_exit(state_dir: Path) -> None:
-    """SIGTERM cannot end a stopped process: after run_stop_timeout stop.yml sends SIGKILL and says so."""
+    """SIGTERM cannot end a stopped process: after run_stop_timeout stop.yml sends SIGKILL and says so;
+    the trainer could not note its end, so the stop notes it in the target's record."""
     ctl = make_controller(state_dir, run_wait_enabled=False)
     try:
         record = ctl.launch("nographs")
@@ -185,7 +186,9 @@ def test_stop_kills_a_trainer_that_does_not_exit(state_dir: Path) -> None:
         assert stopped["killed"] is True
         assert "sent SIGKILL" in stopped["msg"]
         assert ledger(state_dir)[0]["state"] == "stopped" and ledger(state_dir)[0]["killed"] is True
-        assert ctl.status()["state"] == "exited"
+        status = ctl.status()
+        assert status["state"] == "exited" and status["exit_status"] == -9, status
+        assert status["exit_reason"] == "killed by the stop (SIGKILL)"
     finally:
         stop_leftovers(ctl, state_dir)
 

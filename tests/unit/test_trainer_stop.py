@@ -158,3 +158,23 @@ def test_bad_input_is_refused_by_name_and_signals_nothing(tmp_path, run_module, 
     result = run_module(trainer_stop.main, {**recorded(started, tmp_path / "train.log"), "timeout": "later"})
     assert result.failed and "timeout" in result.result["msg"]
     assert alive(started["pid"])
+
+
+def test_a_trainer_that_could_not_note_its_end_has_it_noted_by_the_stop(
+    tmp_path, run_module, trainer
+) -> None:
+    """A trainer killed after the timeout never notes its end in its record (nor one whose record
+    was lost as it ended, then rebuilt from its lock): the stop notes it, so the target's record
+    does not say running for good."""
+    runs = tmp_path / "runs"
+    started = trainer("--behave", "ignore-term", out=runs / "nographs")
+    assert read_record(runs / "nographs")["state"] == "running"
+    result = run_module(
+        trainer_stop.main,
+        {"runs_dir": str(runs), "recorded": {}, "log": str(tmp_path / "train.log"), "timeout": 0.5},
+    )
+    assert not result.failed, result.result["msg"]
+    assert result.result["killed"] is True and gone_within(started["pid"], 5)
+    record = read_record(runs / "nographs")
+    assert record["run_id"] == started["run_id"] and record["state"] == "stopped", record
+    assert record["exit_status"] == -9 and record["exit_reason"] == "killed by the stop (SIGKILL)"

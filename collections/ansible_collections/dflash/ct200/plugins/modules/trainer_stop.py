@@ -101,6 +101,7 @@ stopped_in_s:
   returned: when it was signalled
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -108,6 +109,11 @@ import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.dflash.ct200.plugins.module_utils import trainer_record
+from ansible_collections.dflash.ct200.plugins.module_utils.run_record import (
+    read_record,
+    utc_now,
+    write_record,
+)
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     CHECKPOINT_RE,
     newest_checkpoint,
@@ -177,6 +183,22 @@ def newest_written(out: str | None) -> tuple | None:
     except OSError:
         return (*newest, None, None)
     return (*newest, stat.st_ino, stat.st_mtime_ns)
+
+
+def note_stopped(out: str | None, run_id: str | None, killed: bool) -> None:
+    """The target's record of a trainer that has exited says so. The trainer notes its own end;
+    where it could not (its record was lost when it ended, and rebuilt from its lock just after),
+    the record would say running for good, so the stop notes the end itself."""
+    record = read_record(out) if out and run_id else None
+    if record is None or record.get("run_id") != run_id or record.get("state", "running") != "running":
+        return
+    if killed:  # the signal as the exit status, as for a crash (docs/OPERATING.md)
+        record.update(exit_status=-signal.SIGKILL, exit_reason="killed by the stop (SIGKILL)")
+    else:
+        record.update(exit_status=0, exit_reason="stopped on SIGTERM (its end noted by the stop)")
+    record.update(state="stopped", ended_at=utc_now())
+    with contextlib.suppress(OSError):  # the controller's record and the ledger still say stopped
+        write_record(out, record)
 
 
 def find_on_target(module: AnsibleModule) -> dict:
@@ -251,6 +273,8 @@ def main() -> None:
             result["checkpoint"] = stop_checkpoint_before(params["log"])
     if found["record"]:
         result["record"] = {**found["record"], "state": "stopped", "killed": result["killed"]}
+        if exited:
+            note_stopped(out, found["record"].get("run_id"), result["killed"])
     result["log_tail"] = tail(params["log"], params["tail_lines"])
     if not exited:
         module.fail_json(
