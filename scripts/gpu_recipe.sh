@@ -21,7 +21,11 @@
 #   warm-compare: compare without its first pass, over the data stage's chat set and compile cache
 #          (after data, train and export: it regenerates the set again, the run's shards replaced by
 #          the same ones).
-# Usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, all), in order;
+#   bench: regen_bench alone on the data stage's chat set and target (its rows and arguments as in
+#          warm-compare), over the compile cache the machine holds: on a machine that did not run
+#          the data stage it compiles from nothing, the figure to set beside the data stage's cold
+#          regeneration.
+# Usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, all), in order;
 # e.g. `data`, then `train`, then `export warm-compare`: the recipe from an empty state and the
 # product's regeneration against its bench, in three calls.
 # Each stage fits a device call of ten minutes. On one H200 (2026-12-03, docs/PERFORMANCE.md): data
@@ -39,7 +43,7 @@
 # Every process it starts is ended by PID, also on failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, all)}
+STAGE=${1:?usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, all)}
 OUT=${OUT:-/tmp/gpu_recipe}
 # compare builds its own, smaller chat set: a directory of its own, so data and train find theirs.
 RECIPE_DIR=${RECIPE_DIR:-/tmp/dflash-$([ "$STAGE" = compare ] && echo compare || echo recipe)}
@@ -233,11 +237,16 @@ EOF
 }
 
 stage_warm_compare() {  # the data stage's set again over the warm compile cache, then regen_bench on it
+    regen_pass warm
+    stage_bench
+}
+
+stage_bench() {  # regen_bench on the data stage's set, over the compile cache this machine holds
     # The run's train.seq_len (the recipe's 3,072 unless EXTRA_SET sets it): turns past it are left out.
     local seq_len
     seq_len=$(echo ",$EXTRA_SET," | sed -n 's/.*,train\.seq_len=\([0-9]*\),.*/\1/p')
-    regen_pass warm
-    say "regen_bench: the same file and target, a fresh process over the product's compile cache"
+    say "regen_bench: the same file and target, a fresh process over the product's compile cache ($(
+        find "$STATE/workspace/cache/compile" -type f 2>/dev/null | wc -l) files in it)"
     # shellcheck disable=SC2086 # COMPARE_BENCH_ARGS is a list of arguments
     python3 bench/regen_bench.py --rows "${COMPARE_ROWS:-shards,static}" --chat "$MODEL/chat.jsonl" \
         --target "$MODEL/target" --new-tokens "$NEW_TOKENS" --shard-size "$SHARD" --seq-len "${seq_len:-3072}" ${COMPARE_BENCH_ARGS:-} \
@@ -264,8 +273,9 @@ for stage in "${@}"; do
         export) stage_export ;;
         compare) stage_compare ;;
         warm-compare) stage_warm_compare ;;
+        bench) stage_bench ;;
         all) stage_data; stage_train; stage_export ;;
-        *) echo "usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, all)" >&2; exit 2 ;;
+        *) echo "usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, all)" >&2; exit 2 ;;
     esac
     say "== $stage done"
 done
