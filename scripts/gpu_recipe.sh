@@ -28,10 +28,11 @@
 # Usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, all), in order;
 # e.g. `data`, then `train`, then `export warm-compare`: the recipe from an empty state and the
 # product's regeneration against its bench, in three calls.
-# Each stage fits a device call of ten minutes. On one H200 (2026-12-03, docs/PERFORMANCE.md): data
-# 7.7 min (the budget stopped it: compiling is most of it), train 8.1 min with STEPS=24, export 2.5
-# min. On one H100 (2026-12-05) with CONVERSATIONS=512: data 7.5 min from an empty state (the cold
-# compile most of it), warm-compare 6.9 min. `all` is data, train and export in one go.
+# Each stage fits a device call of ten minutes. On one H200 (2026-12-05, docs/PERFORMANCE.md) with
+# CONVERSATIONS=512: data 4.9 min from an empty state (the cold compile most of it), train 5.5 min
+# with STEPS=24 (the target built again on a bare machine included), export 1.3 min, bench 5.5 min
+# cold. On one H100 (2026-12-05): data 7.5 min, warm-compare 6.9 min. `all` is data, train and
+# export in one go.
 # A stage finds what the one before left in $RECIPE_DIR (default
 # /tmp/dflash-recipe: a machine that stayed warm between calls, as one does when the next call
 # starts within its 30 s); train and data otherwise rebuild the target (the same weights: a fixed
