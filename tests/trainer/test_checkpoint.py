@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import pytest
 import torch
@@ -291,6 +292,68 @@ def test_host_staging_copies_device_tensors_into_buffers_the_next_checkpoint_reu
     assert torch.equal(loaded["drafter"]["b"], torch.arange(5))
     other = staging.to_host({"drafter": {"w": torch.zeros(3, device="cuda")}})  # another shape: a new buffer
     assert torch.equal(other["drafter"]["w"], torch.zeros(3)) and len(staging.buffers) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
+def test_host_staging_copies_into_the_buffers_it_prepared():
+    staging = HostStaging()
+    state = {"step": 1, "drafter": {"w": torch.randn(64, 32, device="cuda")}, "rng": torch.get_rng_state()}
+    staging.prepare([state["drafter"]["w"]])
+    staging.preparing.join(30)
+    prepared = staging.buffers[0]
+    assert prepared.is_pinned() and prepared.shape == (64, 32)
+    staged = staging.to_host(state)
+    assert staged["drafter"]["w"].data_ptr() == prepared.data_ptr()
+    assert torch.equal(staged["drafter"]["w"], state["drafter"]["w"].cpu())
+
+
+def test_host_staging_prepares_its_buffers_on_a_thread_before_the_first_copy(monkeypatch):
+    """The buffers of a state's device tensors are allocated ahead, on a thread of their own (meta
+    tensors stand in for the GPU's: their buffers are plain host memory); the first copy waits for
+    them; host tensors need none; a second prepare, or one without room, allocates nothing."""
+    allocating = threading.Event()
+    real_empty = torch.empty
+
+    def slow_empty(*args, **kwargs):
+        allocating.wait(5)  # held until the test has seen the thread at work
+        return real_empty(*args, **kwargs)
+
+    tensors = [
+        torch.empty(4, 3, device="meta"),
+        torch.ones(2),
+        torch.empty(5, dtype=torch.bfloat16, device="meta"),
+    ]
+    later, too_big = torch.empty(7, device="meta"), torch.empty(2**20, device="meta")
+    monkeypatch.setattr(torch, "empty", slow_empty)
+    staging = HostStaging(available=lambda: None)
+    staging.prepare(tensors)
+    assert staging.preparing is not None and staging.preparing.is_alive() and staging.buffers == []
+    allocating.set()
+    staging.preparing.join(5)
+    assert [(b.shape, b.dtype, b.device.type) for b in staging.buffers] == [
+        ((4, 3), torch.float32, "cpu"),
+        ((5,), torch.bfloat16, "cpu"),
+    ]
+    prepared = list(staging.buffers)
+    staging.prepare([later])  # buffers held: nothing new
+    assert staging.buffers == prepared
+    tight = HostStaging(available=lambda: 2**10)
+    tight.prepare([too_big])
+    assert tight.preparing is None and tight.buffers == []
+
+
+def test_host_staging_whose_preparation_failed_holds_no_buffers(monkeypatch):
+    def refused(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory (pinned host memory)")
+
+    staging = HostStaging(available=lambda: None)
+    meta = torch.ones(3, device="meta")
+    monkeypatch.setattr(torch, "empty", refused)
+    staging.prepare([meta])
+    staging.preparing.join(5)
+    assert staging.buffers == []
+    monkeypatch.undo()
+    assert staging.to_host({"step": 1}) == {"step": 1} and staging.preparing is None
 
 
 def test_host_staging_without_room_for_the_copy_hands_back_the_state_as_it_is(monkeypatch):

@@ -20,6 +20,7 @@ import hashlib
 import io
 import os
 import re
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -112,10 +113,35 @@ class HostStaging:
         self.available = available or available_host_memory
         self.buffers: list[torch.Tensor] = []
         self.declined: str | None = None  # why the last state was written unstaged
+        self.preparing: threading.Thread | None = None
+
+    def prepare(self, tensors: list[torch.Tensor]) -> None:
+        """Allocate the buffers for these tensors (a state's, in its order) on a thread of their
+        own, so that the first checkpoint of a process pays for the copy and the disk only: pinning
+        a checkpoint's worth of host memory took 5-6 s of the recipe's first checkpoint (11.72 GiB
+        on one H200: 30.0 s, the next 24.4 s). Best effort: a buffer of another shape than the
+        state's tensor at its place is allocated again by to_host; a failure leaves none."""
+        tensors = [tensor for tensor in tensors if tensor.device.type != "cpu"]
+        if self.buffers or self.preparing is not None or not tensors or self.no_room(tensors):
+            return
+        like = [(tensor.shape, tensor.dtype, self.pin and tensor.device.type == "cuda") for tensor in tensors]
+        self.preparing = threading.Thread(
+            target=self._allocate, args=(like,), name="checkpoint-staging", daemon=True
+        )
+        self.preparing.start()
+
+    def _allocate(self, like: list) -> None:
+        try:
+            self.buffers = [torch.empty(shape, dtype=dtype, pin_memory=pin) for shape, dtype, pin in like]
+        except (RuntimeError, MemoryError):
+            self.buffers = []  # to_host allocates (or declines) as without it
 
     def to_host(self, state: Any) -> Any:
         """`state` with every device tensor replaced by its host copy (the same nesting); `state`
         itself when the host has no room for the copy (torch.save then copies tensor by tensor)."""
+        if self.preparing is not None:
+            self.preparing.join()  # its buffers are this copy's
+            self.preparing = None
         tensors: list[torch.Tensor] = []
         map_device_tensors(state, lambda tensor: tensors.append(tensor) or tensor)
         self.declined = self.no_room(tensors)

@@ -40,7 +40,7 @@ from ..parallel.replica import Replica, StepLoss
 from ..parallel.sharding import wait_for_parameters
 from ..parallel.topology import ThreadedTopology, ThreadedWorld
 from . import runrecord
-from .checkpoint import HostStaging, prune_checkpoints, save_checkpoint
+from .checkpoint import HostStaging, map_device_tensors, prune_checkpoints, save_checkpoint
 from .environment import resolve_devices
 from .flops import FlopShape, peak_flops, squared_conversation_lengths
 from .recompiles import RecompileWatch
@@ -403,6 +403,21 @@ class Run:
         self.warn_about_recompiles()
         return self.tau
 
+    def prepare_checkpoint(self) -> None:
+        """Rank 0 allocates its host copy of a checkpoint while training goes on (HostStaging.prepare),
+        for the tensors of checkpoint_state's drafter and optimizer, in that order. A sharded
+        optimizer's state is gathered on the host at each checkpoint: the drafter's alone then."""
+        if not self.world.is_lead:
+            return
+        first = self.topology.replicas[0]
+        wait_for_parameters(self.topology.replicas)  # the workers' optimizer steps are done
+        state = {"drafter": first.drafter.state_dict()}
+        if first.shard is None:
+            state["optimizer"] = first.optimizer.state_dict()
+        tensors: list[torch.Tensor] = []
+        map_device_tensors(state, lambda tensor: tensors.append(tensor) or tensor)
+        self.staging.prepare(tensors)
+
     def save(self, step: int) -> None:
         """A checkpoint of this step, written by rank 0 (a collective in the process topology).
         Weights that are no longer finite are never written: the newest checkpoint stays the last
@@ -631,6 +646,8 @@ def training_loop(run: Run, step: int) -> int:
                 run.diverged(step, f"the loss is {loss}")
         if logs or first:
             run.log_progress(step, loss, meter, row=logs)
+        if first:
+            run.prepare_checkpoint()
         if initial is not None:
             run.tau0, initial = run.evaluate(0, weights=initial), None
             if run.tau0 is None:
