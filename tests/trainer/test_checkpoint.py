@@ -342,6 +342,25 @@ def test_host_staging_prepares_its_buffers_on_a_thread_before_the_first_copy(mon
     assert tight.preparing is None and tight.buffers == []
 
 
+def test_a_checkpoint_during_the_preparation_waits_for_its_buffers(monkeypatch):
+    """A stop right after the first step: the copy waits for the thread, never races it."""
+    allocating = threading.Event()
+    real_empty = torch.empty
+
+    def slow_empty(*args, **kwargs):
+        allocating.wait(30)
+        return real_empty(*args, **kwargs)
+
+    meta = torch.empty(3, device="meta")
+    monkeypatch.setattr(torch, "empty", slow_empty)
+    staging = HostStaging(available=lambda: None)
+    staging.prepare([meta])
+    thread = staging.preparing
+    threading.Timer(0.2, allocating.set).start()
+    assert staging.to_host({"step": 1}) == {"step": 1}
+    assert allocating.is_set() and not thread.is_alive() and staging.preparing is None
+
+
 def test_host_staging_whose_preparation_failed_holds_no_buffers(monkeypatch):
     def refused(*args, **kwargs):
         raise RuntimeError("CUDA error: out of memory (pinned host memory)")

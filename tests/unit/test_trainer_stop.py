@@ -5,6 +5,8 @@ processes: the stand-in trainer of tests/unit/standin.py, killed by PID at the e
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 from ansible_collections.dflash.ct200.plugins.module_utils.run_record import read_record
 from ansible_collections.dflash.ct200.plugins.modules import trainer_start, trainer_stop
@@ -178,3 +180,25 @@ def test_a_trainer_that_could_not_note_its_end_has_it_noted_by_the_stop(
     record = read_record(runs / "nographs")
     assert record["run_id"] == started["run_id"] and record["state"] == "stopped", record
     assert record["exit_status"] == -9 and record["exit_reason"] == "killed by the stop (SIGKILL)"
+
+
+def test_a_full_disk_at_the_stop_s_note_still_stops_and_reports_stopped(
+    tmp_path, run_module, trainer, monkeypatch
+) -> None:
+    """The target's record cannot be written (a full disk): the trainer is stopped all the same, and
+    the controller's record (its cache, the ledger) says stopped."""
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    runs = tmp_path / "runs"
+    started = trainer("--behave", "ignore-term", out=runs / "nographs")
+    monkeypatch.setattr(trainer_stop, "write_record", full)
+    result = run_module(
+        trainer_stop.main,
+        {"runs_dir": str(runs), "recorded": {}, "log": str(tmp_path / "train.log"), "timeout": 0.5},
+    )
+    assert not result.failed, result.result["msg"]
+    assert result.result["killed"] is True and gone_within(started["pid"], 5)
+    assert result.result["record"]["state"] == "stopped" and result.result["record"]["killed"] is True
+    assert read_record(runs / "nographs")["state"] == "running"  # what the target could keep
