@@ -298,7 +298,7 @@ def test_host_staging_copies_device_tensors_into_buffers_the_next_checkpoint_reu
 def test_host_staging_copies_into_the_buffers_it_prepared():
     staging = HostStaging()
     state = {"step": 1, "drafter": {"w": torch.randn(64, 32, device="cuda")}, "rng": torch.get_rng_state()}
-    staging.prepare([state["drafter"]["w"]])
+    staging.prepare(state)
     staging.preparing.join(30)
     prepared = staging.buffers[0]
     assert prepared.is_pinned() and prepared.shape == (64, 32)

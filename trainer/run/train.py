@@ -40,7 +40,7 @@ from ..parallel.replica import Replica, StepLoss
 from ..parallel.sharding import wait_for_parameters
 from ..parallel.topology import ThreadedTopology, ThreadedWorld
 from . import runrecord
-from .checkpoint import HostStaging, map_device_tensors, prune_checkpoints, save_checkpoint
+from .checkpoint import HostStaging, prune_checkpoints, save_checkpoint
 from .environment import resolve_devices
 from .flops import FlopShape, peak_flops, squared_conversation_lengths
 from .recompiles import RecompileWatch
@@ -414,9 +414,7 @@ class Run:
         state = {"drafter": first.drafter.state_dict()}
         if first.shard is None:
             state["optimizer"] = first.optimizer.state_dict()
-        tensors: list[torch.Tensor] = []
-        map_device_tensors(state, lambda tensor: tensors.append(tensor) or tensor)
-        self.staging.prepare(tensors)
+        self.staging.prepare(state)
 
     def save(self, step: int) -> None:
         """A checkpoint of this step, written by rank 0 (a collective in the process topology).
