@@ -9,10 +9,10 @@ process over the same compile cache (what a restart or the next GPU's worker pay
 Each (scope, dynamic) runs in two fresh processes over one new compile cache (trainer.model.
 compile_cache: Inductor's caches and torch's artifact bundles): "cold" compiles into it, "warm"
 loads it. Per batch shape (rows x prompt width, --new-tokens decoded): the first batch's time (the
-compile, or the load and trace), the same batch again (steady), the graphs Dynamo compiled so far,
-and whether the answers equal the uncompiled loop's. On a GPU the step scope records CUDA graphs, as
-the product does; bench/regen_bench.py --decode-scope step,step+dynamic measures the Qwen3-8B shape
-with the product's batches.
+compile, or the load and trace), another batch of the shape (steady), the graphs Dynamo compiled so
+far, and whether both batches' answers equal the uncompiled loop's. On a GPU the step scope records
+CUDA graphs, as the product does; bench/regen_bench.py --decode-scope step,step+dynamic measures
+the Qwen3-8B shape with the product's batches.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def small_target(layers: int, device: torch.device):
     return target
 
 
-def batch(rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded rows of varied lengths."""
-    generator = torch.Generator().manual_seed(rows * 10_000 + width)
+def batch(rows: int, width: int, device: torch.device, other: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded rows of varied lengths (other: another batch of the shape, other tokens and padding)."""
+    generator = torch.Generator().manual_seed(rows * 10_000 + width + 7 * other)
     ids = torch.randint(5, 512, (rows, width), generator=generator)
-    lengths = torch.tensor([width - (r * 7) % (width // 2) for r in range(rows)])
+    lengths = torch.tensor([width - (r * 7 + 3 * other) % (width // 2) for r in range(rows)])
     mask = (torch.arange(width) >= width - lengths[:, None]).long()
     return ids.masked_fill(mask == 0, 0).to(device), mask.to(device)
 
@@ -70,19 +70,20 @@ def run_one(args) -> None:
     with compile_cache.persisted(Path(args.cache), lambda line: print(json.dumps({"log": line}), flush=True)):
         for shape in args.shapes.split(","):
             rows, width = map(int, shape.split("x"))
-            ids, mask = batch(rows, width, device)
-            expected = uncompiled.decode(ids, mask, args.new_tokens, -1)
-            times = []
-            for _ in range(2):  # the second time in the cache of the first
+            times, equal = [], []
+            for other in range(2):  # another batch of the shape, in the cache (and CUDA graph) of the first
+                ids, mask = batch(rows, width, device, other)
+                expected = uncompiled.decode(ids, mask, args.new_tokens, -1)
                 began = time.perf_counter()
                 with attention_of(target, args.attention):
                     answers = compiled.decode(ids, mask, args.new_tokens, -1)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - began)
+                equal.append(torch.equal(answers, expected))
             line = {
                 "shape": shape, "first_s": times[0], "again_s": times[1],
-                "graphs": counters["stats"]["unique_graphs"], "equal": torch.equal(answers, expected),
+                "graphs": counters["stats"]["unique_graphs"], "equal": all(equal),
                 "inductor": {key: counters["inductor"][f"fxgraph_cache_{key}"] for key in CACHE_COUNTS},
             }  # fmt: skip
             print(json.dumps(line), flush=True)
@@ -133,7 +134,7 @@ def main() -> int:
                     inductor = " ".join(f"{n} {key}" for key, n in line["inductor"].items())
                     print(
                         f"{scope:6s} {dynamic:7s} {start}  {line['shape']:>8s}: "
-                        f"first batch {line['first_s']:7.2f} s, again {line['again_s']:6.2f} s, "
+                        f"first batch {line['first_s']:7.2f} s, another {line['again_s']:6.2f} s, "
                         f"graphs so far {line['graphs']} (Inductor's cache: {inductor}), "
                         f"answers {'equal' if line['equal'] else 'DIFFER from'} uncompiled"
                     )

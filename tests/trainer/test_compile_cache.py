@@ -1,6 +1,7 @@
 """The compile cache (trainer/model/compile_cache.py): a process that compiles saves what it
-compiled; a fresh process over the same directory loads it and says so; two processes saving at
-once leave only whole bundles; another software stack gets a directory of its own."""
+compiled, its traces included; a fresh process over the same directory loads it and says so; two
+processes saving at once leave only whole bundles; another software stack gets a directory of its
+own."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def test_a_fresh_process_loads_what_the_first_compiled(tmp_path, monkeypatch):
     both = [compile_in_a_fresh_process(directory, env) for _ in range(2)]
     for output in map(finish, both):
         assert "compile cache: warm (" in output and f"artifacts loaded from {directory})" in output, output
+        # torch's precompile: Dynamo's output was kept too, so the warm process traced nothing.
+        assert "1 compiled function(s) loaded with their traces, not traced again" in output, output
     for bundle in (directory / "mega").glob("*.bin"):
         assert torch.compiler.load_cache_artifacts(bundle.read_bytes()) is not None
     assert not list((directory / "mega").glob(".*.tmp"))

@@ -833,3 +833,37 @@ def test_a_batch_compiled_for_every_shape_holds_two_rows_at_least():
     dynamic = RegenSettings(**{**by_shape.__dict__, "compile_dynamic": True})
     assert [compiled_rows(rows, 128, by_shape) for rows in (1, 2, 3)] == [1, 2, 4]
     assert [compiled_rows(rows, 128, dynamic) for rows in (1, 2, 3)] == [2, 2, 4]
+
+
+def batches_of_two_shapes(tiny, widths=(24, 40)) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Four left-padded batches: two of one shape (other prompts, other padding), one of another
+    shape, then the first shape again."""
+    _, tokenizer, chat = tiny
+    pad = tokenizer.pad_token_id
+    questions = ["count to five", "name three colours and then count to ten", "say hello", "spell cat"]
+    batches = []
+    narrow, wide = widths
+    for rows, width, first in ((2, narrow, 0), (2, narrow, 2), (3, wide, 1), (2, narrow, 1)):
+        texts = [chat.text(question) for question in questions[first : first + rows]]
+        ids = torch.tensor([[pad] * (width - len(text)) + text for text in texts])
+        batches.append((ids, (ids != pad).long()))
+    return batches
+
+
+def test_a_shape_s_batches_reuse_its_cache_masks_and_steps_and_get_a_fresh_decoder_s_answers(tiny):
+    """A shape keeps its cache, masks and decode steps (on a GPU, their CUDA graph) from batch to
+    batch, each batch loading its own tokens and padding into them in place: every batch gets the
+    answers of a decoder that never saw another, and another shape between them changes nothing."""
+    from trainer.data.decode import StaticDecoder
+
+    target, _, _ = tiny
+    never = -1
+    decoder = StaticDecoder(target, compiled=False)
+    kept = []
+    for ids, mask in batches_of_two_shapes(tiny):
+        answers = decoder.decode(ids, mask, 6, never)
+        assert torch.equal(answers, StaticDecoder(target, compiled=False).decode(ids, mask, 6, never))
+        kept.append((decoder.cache, decoder.masks, decoder.steps))
+    assert kept[1] == kept[0]  # the same shape: the same objects, loaded again
+    assert all(a is not b for a, b in zip(kept[2], kept[1], strict=True))  # another shape, its own
+    assert all(a is not b for a, b in zip(kept[3], kept[2], strict=True))

@@ -104,3 +104,29 @@ def test_flex_attention_decodes_plain_greedys_answers_in_float32_on_cuda(embedde
     check_attention_gives_plain_answers(
         target, ChatFormat(tokenizer), tokenizer.pad_token_id, "flex_attention"
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode step's CUDA graph needs CUDA; no GPU")
+def test_the_compiled_step_s_cuda_graph_gives_every_batch_of_its_shape_the_uncompiled_answers(embedded):
+    """On CUDA the whole compiled step is recorded once a shape as a CUDA graph of our own and
+    replayed for every later step and batch of the shape: each batch (another of the same shape,
+    another shape between, the first shape again) gets the uncompiled loop's answers, on flex
+    attention as the regeneration decodes (widths from 128 there)."""
+    from tests.trainer.test_regen import batches_of_two_shapes
+    from trainer.data.decode import StaticDecoder
+    from trainer.model.target import attention_of
+
+    target_path, _ = embedded
+    tokenizer = load_tokenizer(target_path)
+    target = load_target(target_path, "cuda", "float32")
+    tiny = (target, tokenizer, ChatFormat(tokenizer))
+    with attention_of(target, "flex_attention"):
+        uncompiled, compiled = StaticDecoder(target, compiled=False), StaticDecoder(target, compiled=True)
+        graphs = []
+        for ids, mask in batches_of_two_shapes(tiny, widths=(128, 256)):
+            ids, mask = ids.cuda(), mask.cuda()
+            expected = uncompiled.decode(ids, mask, 24, -1)
+            assert torch.equal(compiled.decode(ids, mask, 24, -1), expected)
+            graphs.append(compiled.steps.graph)
+    assert all(graphs) and graphs[1] is graphs[0] and graphs[2] is not graphs[1]

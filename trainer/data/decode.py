@@ -5,17 +5,25 @@ the inputs, runs its logits processors and stopping criteria and reads two devic
 every row has ended), so the GPU waits for the host a quarter to half of each decode step
 (docs/PERFORMANCE.md: 22.4 ms a token at 256 rows x 128 with 16.2 ms of kernels). Here a decode
 step is the target's forward and the argmax, compiled one of two ways (data.regen_compile_scope):
-"step", the whole step as one CUDA graph per (rows, cache length), about a minute to compile
-each shape at the Qwen3-8B shape; or "layers", each decoder layer compiled on its own with one
-compile shared by them all and no CUDA graphs: a shape compiles in a third of the time, but each
-step then waits on the host (one H200, Qwen3-8B shape: 2.4x slower; docs/PERFORMANCE.md). Either
-compiles once per batch shape, or, with data.regen_compile_dynamic, once for every shape (the rows
-and the cache length symbolic; in "step" a CUDA graph is still recorded per shape, which takes a
-few of its steps, not a compile; on an H200 it decodes 2.5-3x slower, hence off). The mask
-covers the whole cache from the start (the cache's own position makes it causal), so nothing
-between steps depends on the step; on flex attention the masks are made here (FlexMasks), one a
-batch moved on in place. Whether every row has ended is read once every STOP_CHECK_EVERY tokens.
-The host queues steps ahead of the GPU.
+"step", the whole step compiled, about a minute each shape at the Qwen3-8B shape, and replayed on
+a GPU as a CUDA graph of our own (StepGraph); or "layers", each decoder layer compiled on its own
+with one compile shared by them all and no CUDA graphs: a shape compiles in a third of the time,
+but each step then waits on the host (one H200, Qwen3-8B shape: 2.4x slower; docs/PERFORMANCE.md).
+Either compiles once per batch shape, or, with data.regen_compile_dynamic, once for every shape
+(the rows and the cache length symbolic; in "step" a CUDA graph is still recorded per shape, one
+step's time, not a compile; on an H200 it decodes 2.5-3x slower, hence off).
+
+The CUDA graph is ours, not torch.compile's ("reduce-overhead"), so that a process over the
+compile cache can load Dynamo's output too (torch's precompile, trainer.model.compile_cache), which
+torch does not do for its own CUDA graphs: a warm start then traces nothing. A shape keeps its
+cache, masks, input buffers and graph from batch to batch; a batch loads its own values into them
+in place, and each step's graph reads the last step's token, writes the next, and moves the
+positions and the masks on.
+
+The mask covers the whole cache from the start (the cache's own position makes it causal), so
+nothing between steps depends on the step; on flex attention the masks are made here (FlexMasks),
+moved on in place at each step. Whether every row has ended is read once every STOP_CHECK_EVERY
+tokens. The host queues steps ahead of the GPU.
 
 Answers equal `generate`'s greedy ones: the same forward, the same argmax (of the same logits),
 and a row that has ended keeps decoding tokens that cut_answer drops at its end token.
@@ -45,10 +53,10 @@ def greedy_step(target, tokens: torch.Tensor, positions: torch.Tensor, mask: tor
 
 class StaticDecoder:
     """Decodes batch after batch with one target. Keeps the compiled step (compiled once per
-    process and shape) and the static cache of the last shape (reused, so the step's CUDA graph
-    is not recorded again for each batch of that shape). scope: "step" or "layers" (the module's
-    docstring; data.regen_compile_scope); dynamic: one compile for every shape
-    (data.regen_compile_dynamic)."""
+    process and shape) and what the last shape's batches share: its static cache (reused, emptied),
+    masks and decode steps (on a GPU their CUDA graph, recorded once a shape). scope: "step" or
+    "layers" (the module's docstring; data.regen_compile_scope); dynamic: one compile for every
+    shape (data.regen_compile_dynamic)."""
 
     def __init__(self, target, compiled: bool, scope: str = "step", dynamic: bool = False):
         if scope not in SCOPES:
@@ -57,9 +65,10 @@ class StaticDecoder:
         self.cache_name = cache_keyword(target)
         self.cache = None
         self.cache_shape: tuple[int, int] | None = None
-        self.graphed = compiled and scope == "step"
+        self.masks = None  # the last shape's BatchMasks
+        self.steps = None  # the last shape's DecodeSteps
+        self.whole_step = compiled and scope == "step"
         self.dynamic = compiled and dynamic
-        self.step = compiled_step(dynamic) if self.graphed else greedy_step
         # The model each step runs: the target, or its view with compiled layers.
         layered = compiled and scope == "layers"
         self.stepper = layers_compiled(target, self.cache_name, dynamic) if layered else target
@@ -70,10 +79,34 @@ class StaticDecoder:
         if self.cache_shape == (rows, length):
             self.cache.reset()
         else:
-            self.cache = None  # the last shape's memory is given back before the new one is taken
+            # The last shape's memory (its cache, and the CUDA graph that holds on to it) is given
+            # back before the new one is taken.
+            self.cache = self.steps = None
             self.cache = StaticCache(config=self.target.config, max_cache_len=length)
             self.cache_shape = (rows, length)
         return self.cache
+
+    def batch_masks(self, full_mask: torch.Tensor, width: int):
+        """This batch's masks, in the shape's buffers (a new shape: new buffers)."""
+        if self.masks is None or not self.masks.fits(full_mask, width):
+            self.masks = self.steps = None
+            flex = FlexMasks.fit(self.target)
+            self.masks = FlexMasks(full_mask, width) if flex else PlainMask(full_mask)
+        self.masks.load(full_mask)
+        return self.masks
+
+    def decode_steps(self, cache: dict, masks, tokens: torch.Tensor, positions: torch.Tensor):
+        """The decode steps of this batch, started at its first token: the shape's own when its
+        cache and masks are the ones they were made over."""
+        steps = self.steps
+        if steps is None or steps.cache is not cache[self.cache_name] or steps.masks is not masks:
+            # The compiled step is made at a first decode, not before: inside the regeneration's
+            # compile cache block, where torch's precompile finds the traces it kept.
+            step = compiled_step(self.dynamic) if self.whole_step else greedy_step
+            graphed = self.whole_step and tokens.device.type == "cuda"
+            self.steps = steps = DecodeSteps(step, self.stepper, self.cache_name, cache, masks, graphed)
+        steps.start(tokens, positions)
+        return steps
 
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, end_id: int) -> torch.Tensor:
@@ -88,31 +121,100 @@ class StaticDecoder:
         # The mask of the whole cache: padding off, the rest on; causality comes from the cache's
         # position, so the same tensor serves the prefill and every step (one shape, no rebuild).
         full_mask = torch.cat([mask, mask.new_ones(rows, new_tokens)], dim=1)
-        flex = FlexMasks(full_mask, width) if FlexMasks.fit(self.target) else None
+        masks = self.batch_masks(full_mask, width)
         prompt_positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as `generate` numbers them
-        prompt_mask = flex.prefill if flex else full_mask
-        logits = self.target(input_ids=ids, position_ids=prompt_positions, attention_mask=prompt_mask,
+        logits = self.target(input_ids=ids, position_ids=prompt_positions, attention_mask=masks.prefill,
                              use_cache=True, logits_to_keep=1, **cache).logits  # fmt: skip
-        step_mask = flex.step if flex else full_mask
         out = torch.empty(rows, new_tokens, dtype=torch.long, device=ids.device)
         out[:, 0] = logits[:, -1].argmax(-1)
         del logits
-        positions = mask.sum(-1, keepdim=True)
+        steps = self.decode_steps(cache, masks, out[:, :1], mask.sum(-1, keepdim=True))
         for i in range(1, new_tokens):
             if i % STOP_CHECK_EVERY == 0 and bool((out[:, :i] == end_id).any(-1).all()):
                 return out[:, :i]
-            if self.graphed:
-                torch.compiler.cudagraph_mark_step_begin()
-            out[:, i] = self.step(self.stepper, out[:, i - 1 : i], positions, step_mask, cache)
-            positions = positions + 1
-            if flex:
-                flex.advance()
+            out[:, i] = steps.next()
         return out
 
 
+class DecodeSteps:
+    """The decode steps of one batch shape, on input buffers of their own: each step reads the last
+    token and the positions from them and writes the next token and positions back, and moves the
+    masks on, all on the device. graphed (the whole step compiled, on a GPU): a shape's first step
+    runs the compiled step as it is (compiling it, or loading it from the compile cache), the
+    second records it as a CUDA graph, and every later step of the shape's batches replays that
+    graph: one launch a step, and no Python, guard or CUDA Graph Tree check between steps."""
+
+    def __init__(self, step, model, cache_name: str, cache: dict, masks, graphed: bool):
+        self.step, self.model, self.masks = step, model, masks
+        self.cache, self.cache_arguments = cache[cache_name], cache
+        self.graphed = graphed
+        self.ran = False
+        self.graph = None
+        self.tokens = self.positions = None
+
+    def start(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.tokens is None:
+            self.tokens, self.positions = tokens.clone(), positions.clone()
+        else:
+            self.tokens.copy_(tokens)
+            self.positions.copy_(positions)
+
+    def run(self) -> None:
+        """One step, in place."""
+        following = self.step(self.model, self.tokens, self.positions, self.masks.step, self.cache_arguments)
+        self.tokens.copy_(following[:, None])
+        self.positions.add_(1)
+        self.masks.advance()
+
+    def next(self) -> torch.Tensor:
+        """The next token of every row: [rows], in the steps' own buffer (read before the next)."""
+        if self.graph is not None:
+            self.graph.replay()
+        elif not self.graphed:
+            self.run()
+        elif not self.ran:
+            self.first_run()
+        else:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.run()
+            self.graph.replay()  # recording ran nothing: this is the step itself
+        return self.tokens[:, 0]
+
+    def first_run(self) -> None:
+        # On a side stream, as recording wants: what the libraries set up on a first call (cuBLAS'
+        # workspace, Triton's kernels loaded) is then done outside the recording.
+        device = self.tokens.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self.run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.ran = True
+
+
+class PlainMask:
+    """The whole cache's mask, one buffer for the prefill and every step (not moved on: the
+    cache's position makes it causal)."""
+
+    def __init__(self, full_mask: torch.Tensor):
+        self.mask = torch.zeros_like(full_mask)
+        self.prefill = self.step = self.mask
+
+    def fits(self, full_mask: torch.Tensor, width: int) -> bool:
+        return self.mask.shape == full_mask.shape
+
+    def load(self, full_mask: torch.Tensor) -> None:
+        self.mask.copy_(full_mask)
+
+    def advance(self) -> None:
+        pass
+
+
 class FlexMasks:
-    """The flex-attention masks of one batch, made here and handed to the model ready-made: the
-    prefill's, and the decode steps' (built once a batch, moved on in place at each step).
+    """The flex-attention masks of one batch shape, made here and handed to the model ready-made:
+    the prefill's, and the decode steps' (moved on in place at each step); a batch loads its rows'
+    padding into them.
 
     transformers (5.17 at least) makes them from the static cache's fill level, a tensor that the
     first layer's cache write has already moved on when the kernel reads it: a decode step's query
@@ -129,8 +231,9 @@ class FlexMasks:
         from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE
 
         rows = full_mask.shape[0]
+        self.width = width
         self.block = _DEFAULT_SPARSE_BLOCK_SIZE
-        self.keep = full_mask.bool()
+        self.keep = torch.zeros(full_mask.shape, dtype=torch.bool, device=full_mask.device)
         self.slot = torch.tensor(width, dtype=torch.int32, device=full_mask.device)
         keep, slot = self.keep, self.slot
 
@@ -143,9 +246,18 @@ class FlexMasks:
         query_blocks = -(-width // self.block)
         prompt_blocks = torch.arange(1, query_blocks + 1)  # query block j: the key blocks up to j
         self.prefill = {"full_attention": self.block_mask(prompt_visible, prompt_blocks, width)}
-        first = width // self.block + 1
-        self.visited = torch.full((rows, 1, 1), first, dtype=torch.int32, device=self.slot.device)
+        self.first_block = width // self.block + 1
+        self.visited = torch.full((rows, 1, 1), self.first_block, dtype=torch.int32, device=self.slot.device)
         self.step = {"full_attention": self.block_mask(step_visible, self.visited, 1)}
+
+    def fits(self, full_mask: torch.Tensor, width: int) -> bool:
+        return self.keep.shape == full_mask.shape and self.width == width
+
+    def load(self, full_mask: torch.Tensor) -> None:
+        """A batch's padding, and the steps back at the first slot after the prompt."""
+        self.keep.copy_(full_mask)
+        self.slot.fill_(self.width)
+        self.visited.fill_(self.first_block)
 
     def block_mask(self, visible, visited: torch.Tensor, queries: int):
         """visited: the key blocks each query block visits, the first ones (every row alike, or
@@ -193,11 +305,10 @@ _COMPILED_STEPS: dict = {}
 
 def compiled_step(dynamic: bool = False):
     """greedy_step compiled once a process (for each of static and dynamic shapes): a new
-    torch.compile wrapper would trace again."""
+    torch.compile wrapper would trace again. Without torch's CUDA graphs (DecodeSteps records its
+    own), so that torch's precompile can keep it."""
     if dynamic not in _COMPILED_STEPS:
-        _COMPILED_STEPS[dynamic] = torch.compile(
-            greedy_step, mode="reduce-overhead", dynamic=dynamic, fullgraph=False
-        )
+        _COMPILED_STEPS[dynamic] = torch.compile(greedy_step, dynamic=dynamic, fullgraph=False)
     return _COMPILED_STEPS[dynamic]
 
 

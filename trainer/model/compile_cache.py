@@ -113,11 +113,20 @@ def compile_seconds() -> float:
     return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
 
 
-def time_spent(elapsed: float, compiling: float) -> str:
+def traces_loaded() -> int:
+    """Compiled functions whose Dynamo output this process loaded from the cache (torch's
+    precompile) instead of tracing them."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["dynamo_cache"]["dynamo_cache_hit"])
+
+
+def time_spent(elapsed: float, compiling: float, traces: int = 0) -> str:
     """How much of a block's time torch.compile took: what a warm cache saves is read off here."""
+    loaded = f"; {traces} compiled function(s) loaded with their traces, not traced again" if traces else ""
     return (
         f"compile cache: {compiling:.1f} s of {elapsed:.1f} s in torch.compile (tracing, and compiling "
-        "or loading what the cache held); the rest ran the work"
+        f"or loading what the cache held); the rest ran the work{loaded}"
     )
 
 
@@ -129,21 +138,22 @@ def persisted(directory: Path | None, log: Callable[[str], None]) -> Iterator[No
     if directory is None:
         yield
         return
-    try:
-        loaded, skipped = load(directory)
-        log(status(directory, loaded, skipped))
-    except OSError as exc:
-        log(f"compile cache: not used ({directory}: {exc.strerror}); compiling from nothing")
-        yield
-        return
-    began, compiling = time.monotonic(), compile_seconds()
-    try:
-        yield
-    finally:
-        log(time_spent(time.monotonic() - began, compile_seconds() - compiling))
+    with torch._dynamo.config.patch(caching_precompile=True):
         try:
-            save(directory)
+            loaded, skipped = load(directory)
+            log(status(directory, loaded, skipped))
         except OSError as exc:
-            log(f"compile cache: not saved ({directory}: {exc.strerror})")
-        except Exception as exc:  # torch could not bundle what it compiled: the work is done all the same
-            log(f"compile cache: not saved ({directory}: torch could not bundle it: {exc})")
+            log(f"compile cache: not used ({directory}: {exc.strerror}); compiling from nothing")
+            yield
+            return
+        began, compiling, traces = time.monotonic(), compile_seconds(), traces_loaded()
+        try:
+            yield
+        finally:
+            log(time_spent(time.monotonic() - began, compile_seconds() - compiling, traces_loaded() - traces))
+            try:
+                save(directory)
+            except OSError as exc:
+                log(f"compile cache: not saved ({directory}: {exc.strerror})")
+            except Exception as exc:  # torch could not bundle what it compiled: the work is done all the same
+                log(f"compile cache: not saved ({directory}: torch could not bundle it: {exc})")
