@@ -321,8 +321,8 @@ class DataConfig:
     """Static engine on CUDA: compile the decode step (trainer/data/decode.py), in every worker
     process (one per device), over the compile cache under data.cache_dir (docs/DATA.md)."""
     regen_compile_scope: str = "step"
-    """What regen_compile compiles: 'step', the target's whole forward and the argmax as one CUDA
-    graph per batch shape (60-90 s to compile each shape at the Qwen3-8B shape on an H200);
+    """What regen_compile compiles: 'step', the target's whole forward and the argmax, replayed as
+    one CUDA graph per batch shape (60-90 s to compile each shape at the Qwen3-8B shape on an H200);
     'layers', each decoder layer on its own, one compile shared by all layers, no CUDA graphs
     (18-32 s a shape, but decoding 2.4x slower: each step waits on the host; docs/PERFORMANCE.md).
     'layers' pays off only for a data set that decodes in less time than its shapes compile."""

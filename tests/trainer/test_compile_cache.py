@@ -22,8 +22,13 @@ from trainer.model import compile_cache
 
 directory = Path(sys.argv[1])
 with compile_cache.persisted(directory, print):
-    step = torch.compile(lambda x: (x * 2).sin() + 1, dynamic=False)
+    step = compile_cache.keeping_traces(lambda x: (x * 2).sin() + 1, dynamic=False)
     step(torch.ones(8))
+    # Another module's function compiled as torch does, its traces not kept (as transformers' flex
+    # attention is in a regeneration).
+    other = {"torch": torch}
+    exec("def other(x):\\n    return x.cos() * 3", other)
+    torch.compile(other["other"], dynamic=False)(torch.ones(8))
 print("bundles", len(list((directory / "mega").glob("*.bin"))))
 """
 

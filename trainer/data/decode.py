@@ -306,9 +306,11 @@ _COMPILED_STEPS: dict = {}
 def compiled_step(dynamic: bool = False):
     """greedy_step compiled once a process (for each of static and dynamic shapes): a new
     torch.compile wrapper would trace again. Without torch's CUDA graphs (DecodeSteps records its
-    own), so that torch's precompile can keep it."""
+    own), so that torch's precompile can keep its traces in the compile cache."""
+    from ..model.compile_cache import keeping_traces
+
     if dynamic not in _COMPILED_STEPS:
-        _COMPILED_STEPS[dynamic] = torch.compile(greedy_step, dynamic=dynamic, fullgraph=False)
+        _COMPILED_STEPS[dynamic] = keeping_traces(greedy_step, dynamic=dynamic, fullgraph=False)
     return _COMPILED_STEPS[dynamic]
 
 

@@ -6,7 +6,8 @@ upgrade of torch, transformers, the CUDA runtime or Python, or another GPU gener
 a stale artifact (it compiles into a fresh directory):
 - inductor/: TORCHINDUCTOR_CACHE_DIR, Inductor's FX graph, AOTAutograd and autotune caches and the
   Triton kernels, each entry written atomically by Inductor itself;
-- mega/: torch.compiler.save_cache_artifacts' bundles ("mega-cache"), one file per bundle named by
+- mega/: torch.compiler.save_cache_artifacts' bundles ("mega-cache"), with the Dynamo output of the
+  functions compiled through keeping_traces (torch's precompile), one file per bundle named by
   its content's hash, written to a temporary file and renamed, so workers saving at once never
   write the same name with different contents and a reader never sees a partial file; a process
   loads every bundle before it compiles (load_cache_artifacts).
@@ -15,7 +16,9 @@ a stale artifact (it compiles into a fresh directory):
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import logging
 import os
 import platform
 import re
@@ -113,17 +116,91 @@ def compile_seconds() -> float:
     return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
 
 
+def keeping_traces(fn: Callable, **options) -> Callable:
+    """torch.compile(fn, **options) with its Dynamo output kept in the compile cache too (torch's
+    precompile), so that a fresh process over the cache loads it instead of tracing fn again. For
+    this function only: the process's other compiles (transformers' own flex attention, say) stay
+    as torch makes them, as torch 2.11 cannot load some kept traces (flex attention's) and fails
+    where it tries. Where torch cannot load fn's own, fn is traced again (and the log says so)."""
+    with torch._dynamo.config.patch(caching_precompile=True), refused_loads() as refused:
+        try:
+            compiled = torch.compile(fn, **options)
+        except Exception:  # kept traces torch could not install (2.11 asserts on some): trace again
+            refused.append(f"{fn.__qualname__}: torch failed loading them")
+            compiled = None
+    TRACES_REFUSED.extend(refused)
+    if compiled is None:
+        return torch.compile(fn, **options)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(caching_precompile=True):  # what it compiles is kept
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+# Kept traces this process found but torch could not load (each traced again instead): why, one a function.
+TRACES_REFUSED: list[str] = []
+
+
+class _RefusedLoads(logging.Handler):
+    """Torch says a kept trace could not be loaded only as a warning (and traces again)."""
+
+    def __init__(self, refused: list[str]):
+        super().__init__(logging.WARNING)
+        self.refused = refused
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "Failed to load entry from dynamo cache" in record.getMessage():
+            reason = record.exc_info[1] if record.exc_info else None
+            self.refused.append(f"{type(reason).__name__}: {reason}" if reason else record.getMessage())
+
+
+@contextlib.contextmanager
+def refused_loads() -> Iterator[list[str]]:
+    """The kept traces torch refuses to load inside the block. Guards' sources that torch 2.11
+    rebuilds while loading install a guard of their own, which fails outside a trace ("TracingContext.
+    get() must be called within an ongoing trace"): they are loaded inside a throwaway one, whose
+    guards are dropped (the loaded guards are checked by the guard manager kept with the trace)."""
+    from torch._dynamo import package
+    from torch._guards import TracingContext, tracing
+
+    refused: list[str] = []
+    handler = _RefusedLoads(refused)
+    eval_frame_log = logging.getLogger("torch._dynamo.eval_frame")
+    load_guards_state = package.load_guards_state
+
+    def load_in_a_trace(state):
+        if TracingContext.try_get() is not None:
+            return load_guards_state(state)
+        context = TracingContext(None)
+        context.guards_context.skip_install = True
+        with tracing(context):
+            return load_guards_state(state)
+
+    eval_frame_log.addHandler(handler)
+    package.load_guards_state = load_in_a_trace
+    try:
+        yield refused
+    finally:
+        package.load_guards_state = load_guards_state
+        eval_frame_log.removeHandler(handler)
+
+
 def traces_loaded() -> int:
     """Compiled functions whose Dynamo output this process loaded from the cache (torch's
     precompile) instead of tracing them."""
     from torch._dynamo.utils import counters
 
-    return int(counters["dynamo_cache"]["dynamo_cache_hit"])
+    return int(counters["dynamo_cache"]["dynamo_cache_hit"]) - len(TRACES_REFUSED)
 
 
-def time_spent(elapsed: float, compiling: float, traces: int = 0) -> str:
+def time_spent(elapsed: float, compiling: float, traces: int = 0, refused: list[str] | None = None) -> str:
     """How much of a block's time torch.compile took: what a warm cache saves is read off here."""
     loaded = f"; {traces} compiled function(s) loaded with their traces, not traced again" if traces else ""
+    if refused:
+        loaded += f"; kept traces torch could not load, traced again ({'; '.join(refused)})"
     return (
         f"compile cache: {compiling:.1f} s of {elapsed:.1f} s in torch.compile (tracing, and compiling "
         f"or loading what the cache held); the rest ran the work{loaded}"
@@ -138,22 +215,24 @@ def persisted(directory: Path | None, log: Callable[[str], None]) -> Iterator[No
     if directory is None:
         yield
         return
-    with torch._dynamo.config.patch(caching_precompile=True):
+    try:
+        loaded, skipped = load(directory)
+        log(status(directory, loaded, skipped))
+    except OSError as exc:
+        log(f"compile cache: not used ({directory}: {exc.strerror}); compiling from nothing")
+        yield
+        return
+    began, compiling = time.monotonic(), compile_seconds()
+    traces, refused = traces_loaded(), len(TRACES_REFUSED)
+    try:
+        yield
+    finally:
+        spent = time.monotonic() - began, compile_seconds() - compiling
+        log(time_spent(*spent, traces_loaded() - traces, TRACES_REFUSED[refused:]))
         try:
-            loaded, skipped = load(directory)
-            log(status(directory, loaded, skipped))
-        except OSError as exc:
-            log(f"compile cache: not used ({directory}: {exc.strerror}); compiling from nothing")
-            yield
-            return
-        began, compiling, traces = time.monotonic(), compile_seconds(), traces_loaded()
-        try:
-            yield
-        finally:
-            log(time_spent(time.monotonic() - began, compile_seconds() - compiling, traces_loaded() - traces))
-            try:
+            with torch._dynamo.config.patch(caching_precompile=True):  # the kept traces saved too
                 save(directory)
-            except OSError as exc:
-                log(f"compile cache: not saved ({directory}: {exc.strerror})")
-            except Exception as exc:  # torch could not bundle what it compiled: the work is done all the same
-                log(f"compile cache: not saved ({directory}: torch could not bundle it: {exc})")
+        except OSError as exc:
+            log(f"compile cache: not saved ({directory}: {exc.strerror})")
+        except Exception as exc:  # torch could not bundle what it compiled: the work is done all the same
+            log(f"compile cache: not saved ({directory}: torch could not bundle it: {exc})")
