@@ -16,14 +16,18 @@ from trainer.model import compile_cache
 from .conftest import REPO
 
 COMPILE = """
-import sys, torch
+import os, sys, torch
 from pathlib import Path
 from trainer.model import compile_cache
 
+if os.environ.get("REFUSE_KEPT_TRACES"):  # torch failing to install what it loaded
+    def refuse(self, backends):
+        raise RuntimeError("kept traces refused by the test")
+    torch._dynamo.package.CompilePackage.install = refuse
 directory = Path(sys.argv[1])
 with compile_cache.persisted(directory, print):
     step = compile_cache.keeping_traces(lambda x: (x * 2).sin() + 1, dynamic=False)
-    step(torch.ones(8))
+    print("result", step(torch.ones(8)).tolist() == ((torch.ones(8) * 2).sin() + 1).tolist())
     # Another module's function compiled as torch does, its traces not kept (as transformers' flex
     # attention is in a regeneration).
     other = {"torch": torch}
@@ -63,6 +67,17 @@ def test_a_fresh_process_loads_what_the_first_compiled(tmp_path, monkeypatch):
     for bundle in (directory / "mega").glob("*.bin"):
         assert torch.compiler.load_cache_artifacts(bundle.read_bytes()) is not None
     assert not list((directory / "mega").glob(".*.tmp"))
+
+
+def test_kept_traces_torch_cannot_load_are_traced_again_and_said(tmp_path):
+    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "elsewhere")}
+    directory = compile_cache.cache_directory(tmp_path / "compile")
+    assert "result True" in finish(compile_in_a_fresh_process(directory, env))
+    refused = finish(compile_in_a_fresh_process(directory, {**env, "REFUSE_KEPT_TRACES": "1"}))
+    assert "result True" in refused
+    said = "kept traces torch could not load, traced again (<lambda>: RuntimeError: kept traces refused by"
+    assert said in refused, refused
+    assert "loaded with their traces" not in refused
 
 
 def test_the_directory_names_the_software_stack():

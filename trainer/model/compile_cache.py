@@ -122,13 +122,19 @@ def keeping_traces(fn: Callable, **options) -> Callable:
     this function only: the process's other compiles (transformers' own flex attention, say) stay
     as torch makes them, as torch 2.11 cannot load some kept traces (flex attention's) and fails
     where it tries. Where torch cannot load fn's own, fn is traced again (and the log says so)."""
+    from torch._dynamo.utils import counters
+
+    found = counters["dynamo_cache"]["dynamo_cache_hit"]
     with torch._dynamo.config.patch(caching_precompile=True), refused_loads() as refused:
         try:
             compiled = torch.compile(fn, **options)
-        except Exception:  # kept traces torch could not install (2.11 asserts on some): trace again
-            refused.append(f"{fn.__qualname__}: torch failed loading them")
+        except Exception as exc:  # kept traces torch could not install (2.11 asserts on some): trace again
+            refused.append(f"{type(exc).__name__} {exc}".strip())
             compiled = None
-    TRACES_REFUSED.extend(refused)
+    if refused:
+        TRACES_REFUSED.append(f"{fn.__qualname__}: {'; '.join(refused)}")
+    elif counters["dynamo_cache"]["dynamo_cache_hit"] > found:
+        TRACES_LOADED.append(fn.__qualname__)
     if compiled is None:
         return torch.compile(fn, **options)
 
@@ -140,7 +146,9 @@ def keeping_traces(fn: Callable, **options) -> Callable:
     return call
 
 
-# Kept traces this process found but torch could not load (each traced again instead): why, one a function.
+# The functions whose kept traces this process loaded, and those it found but torch could not load
+# (each traced again instead), with why.
+TRACES_LOADED: list[str] = []
 TRACES_REFUSED: list[str] = []
 
 
@@ -169,7 +177,14 @@ def refused_loads() -> Iterator[list[str]]:
     refused: list[str] = []
     handler = _RefusedLoads(refused)
     eval_frame_log = logging.getLogger("torch._dynamo.eval_frame")
-    load_guards_state = package.load_guards_state
+    load_guards_state = getattr(package, "load_guards_state", None)
+    if load_guards_state is None:  # a torch that loads guards otherwise: nothing to help with
+        eval_frame_log.addHandler(handler)
+        try:
+            yield refused
+        finally:
+            eval_frame_log.removeHandler(handler)
+        return
 
     def load_in_a_trace(state):
         if TracingContext.try_get() is not None:
@@ -191,9 +206,7 @@ def refused_loads() -> Iterator[list[str]]:
 def traces_loaded() -> int:
     """Compiled functions whose Dynamo output this process loaded from the cache (torch's
     precompile) instead of tracing them."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["dynamo_cache"]["dynamo_cache_hit"]) - len(TRACES_REFUSED)
+    return len(TRACES_LOADED)
 
 
 def time_spent(elapsed: float, compiling: float, traces: int = 0, refused: list[str] | None = None) -> str:
