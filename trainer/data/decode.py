@@ -6,7 +6,7 @@ every row has ended), so the GPU waits for the host a quarter to half of each de
 (docs/PERFORMANCE.md: 22.4 ms a token at 256 rows x 128 with 16.2 ms of kernels). Here a decode
 step is the target's forward and the argmax, compiled one of two ways (data.regen_compile_scope):
 "step", the whole step compiled, about a minute each shape at the Qwen3-8B shape, and replayed on
-a GPU as a CUDA graph of our own (StepGraph); or "layers", each decoder layer compiled on its own
+a GPU as a CUDA graph of our own (DecodeSteps); or "layers", each decoder layer compiled on its own
 with one compile shared by them all and no CUDA graphs: a shape compiles in a third of the time,
 but each step then waits on the host (one H200, Qwen3-8B shape: 2.4x slower; docs/PERFORMANCE.md).
 Either compiles once per batch shape, or, with data.regen_compile_dynamic, once for every shape
@@ -65,7 +65,7 @@ class StaticDecoder:
         self.cache_name = cache_keyword(target)
         self.cache = None
         self.cache_shape: tuple[int, int] | None = None
-        self.masks = None  # the last shape's BatchMasks
+        self.masks = None  # the last shape's FlexMasks or PlainMask
         self.steps = None  # the last shape's DecodeSteps
         self.whole_step = compiled and scope == "step"
         self.dynamic = compiled and dynamic

@@ -168,23 +168,15 @@ class _RefusedLoads(logging.Handler):
 @contextlib.contextmanager
 def refused_loads() -> Iterator[list[str]]:
     """The kept traces torch refuses to load inside the block. Guards' sources that torch 2.11
-    rebuilds while loading install a guard of their own, which fails outside a trace ("TracingContext.
-    get() must be called within an ongoing trace"): they are loaded inside a throwaway one, whose
-    guards are dropped (the loaded guards are checked by the guard manager kept with the trace)."""
+    rebuilds while loading (an imported module's) install a guard of their own, which fails outside
+    a trace ("TracingContext.get() must be called within an ongoing trace"): they are rebuilt inside
+    a throwaway one that drops those guards; the guards kept with the trace are the ones checked."""
     from torch._dynamo import package
     from torch._guards import TracingContext, tracing
 
     refused: list[str] = []
-    handler = _RefusedLoads(refused)
     eval_frame_log = logging.getLogger("torch._dynamo.eval_frame")
-    load_guards_state = getattr(package, "load_guards_state", None)
-    if load_guards_state is None:  # a torch that loads guards otherwise: nothing to help with
-        eval_frame_log.addHandler(handler)
-        try:
-            yield refused
-        finally:
-            eval_frame_log.removeHandler(handler)
-        return
+    load_guards_state = getattr(package, "load_guards_state", None)  # None: a torch that loads otherwise
 
     def load_in_a_trace(state):
         if TracingContext.try_get() is not None:
@@ -194,12 +186,15 @@ def refused_loads() -> Iterator[list[str]]:
         with tracing(context):
             return load_guards_state(state)
 
+    handler = _RefusedLoads(refused)
     eval_frame_log.addHandler(handler)
-    package.load_guards_state = load_in_a_trace
+    if load_guards_state is not None:
+        package.load_guards_state = load_in_a_trace
     try:
         yield refused
     finally:
-        package.load_guards_state = load_guards_state
+        if load_guards_state is not None:
+            package.load_guards_state = load_guards_state
         eval_frame_log.removeHandler(handler)
 
 
