@@ -80,6 +80,41 @@ def test_kept_traces_torch_cannot_load_are_traced_again_and_said(tmp_path):
     assert "loaded with their traces" not in refused
 
 
+CHANGED_CODE = """
+import os, sys, torch
+from pathlib import Path
+from trainer.model import compile_cache
+
+directory, modules = Path(sys.argv[1]), Path(sys.argv[2])
+modules.mkdir(exist_ok=True)
+body = f"import torch\\n\\n\\ndef step(x):\\n    return (x * {os.environ['FACTOR']}).sin() + 1\\n"
+(modules / "stepmod.py").write_text(body)
+sys.path.insert(0, str(modules))
+import stepmod
+with compile_cache.persisted(directory, print):
+    step = compile_cache.keeping_traces(stepmod.step, dynamic=False)
+    print("result", torch.equal(step(torch.ones(8)), stepmod.step(torch.ones(8))))
+"""
+
+
+def test_kept_traces_of_code_changed_since_are_not_loaded(tmp_path):
+    """A new version of the compiled function (the product upgraded, torch not) keeps its name and
+    line, so torch finds the old version's traces: it must not run them. The answers are the new
+    code's and the log says why it traced again."""
+    directory = compile_cache.cache_directory(tmp_path / "compile")
+    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "elsewhere")}
+    outputs = []
+    for factor, modules in (("2", "old"), ("3", "new")):
+        command = [sys.executable, "-c", CHANGED_CODE, str(directory), str(tmp_path / modules)]
+        run = subprocess.run(command, cwd=REPO, env={**env, "FACTOR": factor}, capture_output=True, text=True,
+                             timeout=600, check=False)  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        outputs.append(run.stdout)
+    assert all("result True" in output for output in outputs), outputs
+    said = "kept traces torch could not load, traced again (step: RuntimeError: Source code changes"
+    assert said in outputs[1], outputs[1]
+
+
 def test_the_directory_names_the_software_stack():
     import transformers
 
