@@ -39,6 +39,8 @@ import weakref
 import torch
 import torch.fx.experimental._config as fx_config
 
+from ..model.compile_cache import keeping_traces
+
 # A batch ends this many steps at most after its last row has: each check waits for the GPU.
 STOP_CHECK_EVERY = 16
 SCOPES = ("step", "layers")
@@ -89,7 +91,6 @@ class StaticDecoder:
     def batch_masks(self, full_mask: torch.Tensor, width: int):
         """This batch's masks, in the shape's buffers (a new shape: new buffers)."""
         if self.masks is None or not self.masks.fits(full_mask, width):
-            self.masks = self.steps = None
             flex = FlexMasks.fit(self.target)
             self.masks = FlexMasks(full_mask, width) if flex else PlainMask(full_mask)
         self.masks.load(full_mask)
@@ -307,8 +308,6 @@ def compiled_step(dynamic: bool = False):
     """greedy_step compiled once a process (for each of static and dynamic shapes): a new
     torch.compile wrapper would trace again. Without torch's CUDA graphs (DecodeSteps records its
     own), so that torch's precompile can keep its traces in the compile cache."""
-    from ..model.compile_cache import keeping_traces
-
     if dynamic not in _COMPILED_STEPS:
         _COMPILED_STEPS[dynamic] = keeping_traces(greedy_step, dynamic=dynamic, fullgraph=False)
     return _COMPILED_STEPS[dynamic]

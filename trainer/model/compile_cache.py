@@ -129,7 +129,7 @@ def keeping_traces(fn: Callable, **options) -> Callable:
         try:
             compiled = torch.compile(fn, **options)
         except Exception as exc:  # kept traces torch could not install (2.11 asserts on some): trace again
-            refused.append(f"{type(exc).__name__} {exc}".strip())
+            refused.append(f"{type(exc).__name__}: {exc}")
             compiled = None
     if refused:
         TRACES_REFUSED.append(f"{fn.__qualname__}: {'; '.join(refused)}")
@@ -198,12 +198,6 @@ def refused_loads() -> Iterator[list[str]]:
         eval_frame_log.removeHandler(handler)
 
 
-def traces_loaded() -> int:
-    """Compiled functions whose Dynamo output this process loaded from the cache (torch's
-    precompile) instead of tracing them."""
-    return len(TRACES_LOADED)
-
-
 def time_spent(elapsed: float, compiling: float, traces: int = 0, refused: list[str] | None = None) -> str:
     """How much of a block's time torch.compile took: what a warm cache saves is read off here."""
     loaded = f"; {traces} compiled function(s) loaded with their traces, not traced again" if traces else ""
@@ -231,12 +225,12 @@ def persisted(directory: Path | None, log: Callable[[str], None]) -> Iterator[No
         yield
         return
     began, compiling = time.monotonic(), compile_seconds()
-    traces, refused = traces_loaded(), len(TRACES_REFUSED)
+    loaded, refused = len(TRACES_LOADED), len(TRACES_REFUSED)
     try:
         yield
     finally:
         spent = time.monotonic() - began, compile_seconds() - compiling
-        log(time_spent(*spent, traces_loaded() - traces, TRACES_REFUSED[refused:]))
+        log(time_spent(*spent, len(TRACES_LOADED) - loaded, TRACES_REFUSED[refused:]))
         try:
             with torch._dynamo.config.patch(caching_precompile=True):  # the kept traces saved too
                 save(directory)
