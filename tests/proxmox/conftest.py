@@ -40,3 +40,12 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealHostNode]:
         finally:
             os.environ.clear()
             os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def nothing_meant_for_the_ct_runs_on_the_node(node: RealHostNode) -> Iterator[None]:
+    """Every test here fails if a command meant for CT 200 ran on the node (its tripwires caught it)."""
+    before = len(node.commands_on_node())
+    yield
+    caught = node.commands_on_node()[before:]
+    assert not caught, f"ran on the Proxmox node instead of CT 200: {caught}"

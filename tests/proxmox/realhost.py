@@ -122,6 +122,13 @@ class RealHostNode:
             raise RuntimeError(f"testnode {' '.join(args)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
         return proc.stdout
 
+    def commands_on_node(self) -> list[str]:
+        """Commands of the CT's that reached the node's own shell (its tripwires caught them)."""
+        sys.path.insert(0, str(TESTNODE.parent))
+        from testnode import commands_on_node
+
+        return commands_on_node(self.state_dir)
+
     def control(self, request: dict[str, Any]) -> Any:
         sys.path.insert(0, str(TESTNODE.parent))
         from testnode import control
@@ -137,6 +144,10 @@ class RealHostNode:
 
     def pct(self, *args: str) -> subprocess.CompletedProcess[str]:
         """Run pct on the node over its sshd (the way the roles reach it)."""
+        return self.node_shell(shlex.join(["pct", *args]))
+
+    def node_shell(self, line: str) -> subprocess.CompletedProcess[str]:
+        """One command line for the node's shell over its sshd, as proxmox_pct_remote sends it."""
         return subprocess.run(
             [
                 "ssh",
@@ -151,7 +162,7 @@ class RealHostNode:
                 "-o",
                 "BatchMode=yes",
                 f"root@{self.info['ssh_host']}",
-                shlex.join(["pct", *args]),
+                line,
             ],
             capture_output=True,
             text=True,

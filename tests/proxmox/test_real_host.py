@@ -103,6 +103,18 @@ def test_provision_from_nothing_then_no_change(node: RealHostNode, record_proper
     assert check.ok and check.changed() == 0, check.stdout[-3000:]
 
 
+def test_the_node_catches_a_script_for_the_ct_that_its_shell_split(node: RealHostNode) -> None:
+    """The tripwire the autouse check relies on: an unquoted script through `pct exec` sends only its
+    first statement into the CT; the node's shell runs the rest, and the node's dpkg-query says so."""
+    whole = node.node_shell(f"pct exec {VMID} -- sh -c 'hostname; dpkg-query -W -f=ok python3-venv'")
+    assert whole.returncode == 0 and whole.stdout.endswith("ok"), whole.stderr
+    assert node.commands_on_node() == []
+    split = node.node_shell(f"pct exec {VMID} -- true; dpkg-query -W -f=ok python3-venv")
+    assert split.returncode == 97 and "ran on the Proxmox node itself" in split.stderr
+    assert node.commands_on_node() == ["dpkg-query -W -f=ok python3-venv"]
+    (node.state_dir / "commands-on-node.log").write_text("")  # caught on purpose: not this test's failure
+
+
 def test_locked_container_is_refused_and_changes_nothing(node: RealHostNode) -> None:
     node.control({"op": "lock", "vmid": 200, "lock": "backup"})
     try:

@@ -48,6 +48,9 @@ NVIDIA_MAJOR = 195
 START_TIMEOUT_S = 30
 STOP_TIMEOUT_S = 15
 PR_SET_CHILD_SUBREAPER = 36
+# Tools a CT's commands use and the node never does: on the node they are tripwires.
+NODE_TRIPWIRES = ("apt", "apt-get", "apt-cache", "apt-key", "dpkg", "dpkg-query", "pip", "pip3")
+NODE_COMMANDS_LOG = "commands-on-node.log"
 
 
 # ------------------------------------------------------------------ helpers
@@ -243,6 +246,18 @@ def node_init(args: argparse.Namespace) -> int:
         ],
         check=True,
     )
+    subprocess.run(
+        [
+            "mount",
+            "-t",
+            "overlay",
+            "testnode-bin",
+            "-o",
+            f"lowerdir={state / 'bin'}:/usr/bin",
+            "/usr/bin",
+        ],
+        check=True,
+    )
     make_node_dev(state, info["uvm_major"], info["gpu_count"])
     log = open(state / "node.log", "ab")  # noqa: SIM115 - open for the children's whole life
     api = subprocess.Popen(
@@ -307,6 +322,35 @@ def write_sshd(state: Path, port: int) -> None:
         f"PidFile {state / 'sshd.pid'}\nMaxSessions 50\nMaxStartups 50\nLogLevel ERROR\n"
         "Subsystem sftp internal-sftp\n"
     )
+
+
+def write_node_tripwires(state: Path) -> None:
+    """Package tools that fail and leave a line in <state>/commands-on-node.log when run on the node.
+
+    A command meant for a CT that reaches the node's shell instead (an unquoted script through
+    `pct exec`) must fail a test on every machine, also on one whose host has every package the
+    command looks for. The node itself never needs these tools; the CTs have their own /usr/bin.
+    """
+    bin_dir = state / "bin"
+    bin_dir.mkdir()
+    log = state / NODE_COMMANDS_LOG
+    log.touch()
+    for name in NODE_TRIPWIRES:
+        tripwire = bin_dir / name
+        tripwire.write_text(
+            "#!/bin/sh\n"
+            f"printf '%s\\n' \"{name} $*\" >> {log}\n"
+            f"echo \"test node: '{name} $*' ran on the Proxmox node itself, not in a container:"
+            ' a command meant for a CT must reach it whole through pct exec" >&2\n'
+            "exit 97\n"
+        )
+        tripwire.chmod(0o755)
+
+
+def commands_on_node(state: Path) -> list[str]:
+    """What the node's tripwires caught (see write_node_tripwires), oldest first."""
+    log = state / NODE_COMMANDS_LOG
+    return log.read_text().splitlines() if log.exists() else []
 
 
 def write_pct_wrapper(state: Path) -> None:
@@ -382,6 +426,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         }
         write_sshd(state, info["ssh_port"])
         write_pct_wrapper(state)
+        write_node_tripwires(state)
         (state / "testnode.json").write_text(json.dumps(info, indent=1))
         with open(state / "node.log", "ab") as log:
             init = subprocess.Popen(
@@ -467,6 +512,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         if lxc.exists(int(ct.name))
     }
     info["running"] = all(p["alive"] for p in info["processes"].values())
+    info["commands_on_node"] = commands_on_node(state)
     print(json.dumps(info, indent=1))
     return 0 if info["running"] else 1
 
