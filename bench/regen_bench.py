@@ -393,9 +393,11 @@ class NoProgress:
 
 # ---- --answer-lengths: answers that end at given lengths (random-weight targets only) ----
 
-# The spread of the synthetic chat set's answer lengths (trainer.data.embedded.ASSISTANT_TOKENS):
-# lognormal with sigma 1.0 gives its median 231 -> p90 859 -> p99 2,405 shape.
+# The spread of the synthetic chat set's answer lengths (trainer.data.embedded.ASSISTANT_TOKENS, drawn
+# with sigma 1.0; the set's answers: median 231 tokens, p90 859, p99 2,405).
 ANSWER_SIGMA = 1.0
+# Under --compile-cache: the compiled steps traced with ForcedEnding's hook, kept apart.
+ANSWER_LENGTHS_CACHE = "answer-lengths"
 
 
 def parse_answer_lengths(spec: str) -> tuple[str, int, int]:
@@ -426,15 +428,19 @@ def drawn_answer_lengths(kind: str, median: int, cap: int, count: int, seed: int
 class ForcedEnding:
     """On a random-weight target (which never says its end token), each answer ends at the length the
     bench gives its prompt: the end token is forced at that step and kept out before it, as a forward
-    hook on the logits. Every engine that calls the target with position ids works under it: the
-    static engine (eager, compiled, its CUDA graphs), plain `generate` and the old loop. A prefill
+    hook on the logits, for every engine that calls the target with position ids: the static engine,
+    plain `generate` and the old loop (checked on the CPU, eager, against plain `generate`; compiled
+    into the decode step and its CUDA graph on a GPU, where the static pass's `answers ending at their
+    given length: K/K` line is the check). A prefill
     (more than one input token) finds each row's prompt (its last position + 1 tokens) and loads the
     position where that row's end token goes into a buffer of fixed address, which the decode steps
     (and a CUDA graph recorded over them) read: answer token k comes from position len(prompt) - 1 + k.
     Not for continuous batching (one flattened row of many requests): continuous_with_lengths.
 
     One per target and process (forced_ending), attached and detached, never replaced: Dynamo does not
-    guard on a module's hooks, so a compiled step keeps the hook (and the buffer) it was traced with."""
+    guard on a module's hooks, so a compiled step keeps the hook (and the buffer) it was traced with.
+    For the same reason the bench keeps its compiled steps with the hook in a compile cache of their
+    own (ANSWER_LENGTHS_CACHE): a step kept without it would be loaded and never end an answer."""
 
     def __init__(self, target, lengths: dict[tuple[int, ...], int], end_id: int, max_rows: int = 1 << 16):
         self.target, self.lengths, self.end_id = target, lengths, end_id
@@ -559,15 +565,19 @@ def continuous_with_lengths(target, prompts, lengths, new_tokens: int, end_id: i
     answer length as its own max_new_tokens: what a request that says its end token there costs it
     (it leaves the batch at once). The answers are plain greedy ones cut at that length."""
     from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
     config = GenerationConfig(
         max_new_tokens=new_tokens, do_sample=False, eos_token_id=end_id, pad_token_id=PAD_ID
     )
     caps = request_caps(lengths, new_tokens, len(prompts))
     results: dict[str, list[int]] = {}
+    # The hints generate_batch gives it, so that the manager sizes itself as the product's call does.
+    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=new_tokens,
+                          num_requests=len(prompts))  # fmt: skip
     with settable_attention(target, tuning.attention), target.continuous_batching_context_manager(
         generation_config=config, continuous_batching_config=tuning.config(target, prompts, new_tokens),
-        block=True, timeout=5,
+        block=True, timeout=5, workload_hints=hints,
     ) as manager:  # fmt: skip
         for i, (prompt, cap) in enumerate(zip(prompts, caps, strict=True)):
             manager.add_request(list(prompt), request_id=f"bench_{i}", max_new_tokens=cap)
@@ -790,6 +800,8 @@ def main() -> int:
     batch_sizes = [int(size) for size in args.batch_size.split(",")]
     scopes = args.decode_scope.split(",")
     root = Path(args.compile_cache or tempfile.mkdtemp(prefix="regen-compile-")).absolute()
+    if answer_lengths:  # steps traced with the forced ending: never mixed with the product's (ForcedEnding)
+        root = root / ANSWER_LENGTHS_CACHE
     compile_dir = compile_cache.cache_directory(root, device)
     rows = args.rows.split(",")
     target = None

@@ -28,7 +28,8 @@
 #   lengths: regen_bench's static engine on the data stage's chat set and target (built here if
 #          missing), each answer ending where the file's does (--answer-lengths file: the random
 #          target never ends on its own), at the caps LENGTHS_CAPS (default 256,1024,2048) in one
-#          process over the machine's compile cache: per cap, useful tok/s (answer tokens only), the
+#          process over a compile cache of its own under the machine's (answer-lengths/: its steps
+#          carry the forced ending): per cap, useful tok/s (answer tokens only), the
 #          share of row-steps that decode an answer token, and peak memory. LENGTHS_CONVERSATIONS
 #          (default 48: 61 prompts of up to 1,111 tokens, one batch of width 2,048 at each cap, so
 #          three shapes compile cold and the stage fits a call); LENGTHS_PASSES (default 2: the

@@ -67,6 +67,8 @@ def test_answers_end_at_their_lengths_and_row_steps_used_is_what_they_imply(tmp_
     assert float(used[1]) == pytest.approx(expected_row_steps_share(lengths), abs=0.05), out
     tokens = re.search(r"^static B\d+ pass 1 +\d+ prompts +[\d.]+ s +(\d+) tokens", out, re.MULTILINE)
     assert tokens and int(tokens[1]) == sum(min(n, CAP) for n in lengths), out  # answer tokens only
+    # Steps traced with the forced ending are kept apart from those without (a loaded one would not end).
+    assert f"compiling into {tmp_path}/answer-lengths/" in out, out
     if spec.startswith("fixed"):
         assert float(used[1]) == 100.0
     else:
