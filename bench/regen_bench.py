@@ -55,7 +55,7 @@ answers end where they were given to; on a CPU every answer is checked against p
 `generate` of its prompt alone with the same ending (`answers equal: K/K`).
     python bench/regen_bench.py --shape tiny --rows static --answer-lengths lognormal:6:40
     python3 bench/regen_bench.py --rows static --chat CHAT_JSONL --target TARGET_DIR \
-        --answer-lengths file --new-tokens 256,1024,2048 --prompts 96   # caps in turn, one process
+        --answer-lengths file --new-tokens 256,1024,2048 --prompts 48   # caps in turn, one process
 --new-tokens A,B,...: the in-process rows (and workers, --warm) at each cap in turn, one target;
 --passes 1: one static pass a row (the first compiles each new shape).
 --cb-attention/--cb-block-size/--cb-num-blocks/--cb-max-batch-tokens/--cb-max-requests/
