@@ -503,6 +503,8 @@ def answers_checked(target, prompts, answers, caps: list[int], end_id: int) -> i
 def row_steps_line(batches, answers) -> str:
     """The share of the static engine's row-steps (rows x tokens decoded, every batch) that decode an
     answer token: the rest waits for its batch's longest answer (or is a filler row)."""
+    if not batches:
+        return "row-steps used: not seen (--no-compile decodes through generate, not the static decoder)"
     row_steps = sum(rows * steps for rows, _, _, steps in batches)
     tokens = sum(map(len, answers))
     share = 100 * tokens / max(1, row_steps)
