@@ -42,6 +42,27 @@ to the new tokens (the stage's hold the regenerated ones, whose lengths differ: 
 Per row: generated tokens/s, conversations/s, peak device memory, and the memory-bound limit of the
 workload: sequences in flight x bandwidth / bytes read per decode step (the weights once, plus the
 KV cache of every sequence in flight at its mean length).
+
+--answer-lengths: a random-weight target never says its end token, so every row decodes to the cap
+and the static engine looks fully used. With `file` (--chat and --target) each answer ends where the
+chat file's does, with `lognormal:MEDIAN:CAP` at a seeded draw (the synthetic set's spread), with
+`fixed:N` at N: the end token is forced at that step (ForcedEnding, a hook on the target's logits).
+Rows: today, static (every --decode-scope), workers, --warm; continuous ends each request at its
+length as its own cap (the manager's per-request max_new_tokens); not shards. Then tokens/s counts
+answer tokens only, and each static pass says `row-steps used: N %` (the share of rows x decoded
+tokens that decode an answer token; the rest waits for its batch's longest answer) and how many
+answers end where they were given to; on a CPU every answer is checked against plain greedy
+`generate` of its prompt alone with the same ending (`answers equal: K/K`).
+    python bench/regen_bench.py --shape tiny --rows static --answer-lengths lognormal:6:40
+    python3 bench/regen_bench.py --rows static --chat CHAT_JSONL --target TARGET_DIR \
+        --answer-lengths file --new-tokens 256,1024,2048 --prompts 48   # caps in turn, one process
+--new-tokens A,B,...: the in-process rows (and workers, --warm) at each cap in turn, one target;
+--passes 1: one static pass a row (the first compiles each new shape).
+--cb-attention/--cb-block-size/--cb-num-blocks/--cb-max-batch-tokens/--cb-max-requests/
+--cb-cuda-graphs/--cb-compile-level: the continuous row through transformers'
+ContinuousBatchingManager with that config (ContinuousBatchingConfig: block_size in 5.17, page_size
+in 5.24; a field the installed version lacks is refused naming it; the attention is set on the
+target for the row: 5.17 takes paged|sdpa or sdpa, 5.24 sdpa, paged|eager or a flash one).
 """
 
 from __future__ import annotations
@@ -70,16 +91,19 @@ from trainer.config import DataConfig
 from trainer.data.chat import ChatFormat, Example, regenerate, tokenize_stream
 from trainer.data.decode import StaticDecoder
 from trainer.data.regen import (
+    CACHE_PAGE_TOKENS,
     DataIndex,
     Progress,
     Regeneration,
     RegenSettings,
     continuous_generate,
+    cpu_cache_config,
+    cut_answer,
     static_generate,
 )
 from trainer.data.regen_worker import Job, run_worker_processes
 from trainer.model import compile_cache
-from trainer.model.target import load_target, load_tokenizer
+from trainer.model.target import attention_of, load_target, load_tokenizer
 
 END_ID = 2  # a token a random target rarely picks: answers run to --new-tokens, as real ones often do
 PAD_ID = 0
@@ -108,8 +132,9 @@ def make_prompts(count: int, median: int, vocab: int, seed: int = 0) -> list[lis
 
 
 def chat_prompts(path: Path, target_dir: Path, new_tokens: int, seq_len: int, shard_size: int,
-                 count: int | None) -> tuple[int, list[list[list[int]]]]:  # fmt: skip
-    """(the chat's end id, each call's prompts): a chat JSONL's prompts as the product's stage
+                 count: int | None) -> tuple[int, list[list[list[int]]], list[int]]:  # fmt: skip
+    """(the chat's end id, each call's prompts, each prompt's answer length in the file, cut to
+    new_tokens): a chat JSONL's prompts as the product's stage
     builds them, shard by shard (data.regen_shard_size) and within a shard turn by turn, each a
     call of the engine; turns past seq_len left out. A later turn's prompt holds the file's earlier
     answers cut to new_tokens, where the stage holds the regenerated ones (at most as long)."""
@@ -118,13 +143,15 @@ def chat_prompts(path: Path, target_dir: Path, new_tokens: int, seq_len: int, sh
     chat = ChatFormat(load_tokenizer(target_dir))
     index = DataIndex.build(path)
     total = min(len(index), count or len(index))
-    calls = []
+    calls, lengths = [], []
     for start in range(0, total, shard_size):
         conversations = index.read(start, min(start + shard_size, total))
         examples = list(tokenize_stream((messages for _, messages in conversations), chat))
-        rounds, _ = shard_prompts(examples, chat, new_tokens, seq_len)
+        answered: list[list[int]] = []
+        rounds, _ = shard_prompts(examples, chat, new_tokens, seq_len, answered)
         calls += [prompts for prompts in rounds if prompts]
-    return chat.end_id, calls
+        lengths += [n for prompts, ns in zip(rounds, answered, strict=True) if prompts for n in ns]
+    return chat.end_id, calls, lengths
 
 
 def synchronize(device: torch.device) -> None:
@@ -182,11 +209,13 @@ def timed(name, device, run, prompts, limit, profile=False) -> None:
         f"peak {peak_memory_gib(device):6.1f} GiB  memory-bound limit {limit:9.0f} tok/s",
         flush=True,
     )
+    return answers
 
 
 @contextlib.contextmanager
 def batch_times(device):
-    """Records (rows, width, seconds) of every batch the static engine decodes inside the block."""
+    """Records (rows, width, seconds, tokens decoded) of every batch the static engine decodes inside
+    the block."""
     batches: list[tuple[int, int, float]] = []
     plain = StaticDecoder.decode
 
@@ -195,8 +224,8 @@ def batch_times(device):
         began = time.perf_counter()
         output = plain(self, ids, *args, **kwargs)
         synchronize(device)
-        batches.append((*ids.shape, time.perf_counter() - began))
-        rows, width, seconds = batches[-1]
+        batches.append((*ids.shape, time.perf_counter() - began, output.shape[1]))
+        rows, width, seconds, _ = batches[-1]
         # A first pass can outlast a machine's time: each batch as it ends shows how far it got.
         print(f"      batch {len(batches)}: {rows} rows x width {width} in {seconds:.1f} s", flush=True)
         return output
@@ -226,7 +255,7 @@ def print_compile_phases(before: dict[str, float], top: int = 8) -> None:
 def print_batches(batches) -> None:
     """Per prompt width: batches, rows each, seconds in all: where a static pass spends its time."""
     widths: dict[tuple[int, int], list[float]] = {}
-    for rows, width, seconds in batches:
+    for rows, width, seconds, _ in batches:
         widths.setdefault((width, rows), []).append(seconds)
     for (width, rows), times in sorted(widths.items()):
         print(f"    width {width:5d}: {len(times):3d} batches of {rows:4d} rows, {sum(times):7.1f} s")
@@ -300,6 +329,7 @@ class BenchJob(Job):
     passes: int = 2
     target_path: str = ""  # a target directory (--target); empty: a random one of `shape`
     end_id: int = END_ID
+    answer_lengths: dict | None = None  # --answer-lengths: prompt -> where its answer ends (ForcedEnding)
 
     def run(self, send, should_stop) -> bool:
         began = time.perf_counter()
@@ -309,7 +339,7 @@ class BenchJob(Job):
         target = bench_target(self.shape, self.target_path, device)
         send({"line": f"target built in {time.perf_counter() - began:.1f} s"})
         cache = compile_cache.persisted(Path(self.compile_dir), lambda text: send({"line": text}))
-        with cache, torch.no_grad():
+        with cache, torch.no_grad(), forced_ending(target, self.answer_lengths, self.end_id):
             for attempt in range(1, self.passes + 1):
                 synchronize(device)
                 began = time.perf_counter()
@@ -323,7 +353,7 @@ class BenchJob(Job):
 
 
 def worker_rows(prompts, settings, workers: int, source: Source, device, compile_dir: Path, passes: int,
-                name: str) -> None:  # fmt: skip
+                name: str, answer_lengths: dict | None = None) -> None:  # fmt: skip
     """`workers` fresh worker processes on `device`, the prompts split between them: each pass's
     tokens/s counts every worker's tokens over the slowest worker's time."""
     from bench.regen_bench import BenchJob as Importable  # pickled by a name the workers can import
@@ -331,7 +361,7 @@ def worker_rows(prompts, settings, workers: int, source: Source, device, compile
     jobs = [
         Importable(
             str(device), str(compile_dir), source.shape, prompts[n::workers], settings, str(compile_dir),
-            passes, source.target_path, source.end_id,
+            passes, source.target_path, source.end_id, answer_lengths,
         )
         for n in range(workers)
     ]
@@ -361,6 +391,267 @@ class NoProgress:
         pass
 
 
+# ---- --answer-lengths: answers that end at given lengths (random-weight targets only) ----
+
+# The spread of the synthetic chat set's answer lengths (trainer.data.embedded.ASSISTANT_TOKENS, drawn
+# with sigma 1.0; the set's answers: median 231 tokens, p90 859, p99 2,405).
+ANSWER_SIGMA = 1.0
+# Under --compile-cache: the compiled steps traced with ForcedEnding's hook, kept apart.
+ANSWER_LENGTHS_CACHE = "answer-lengths"
+
+
+def parse_answer_lengths(spec: str) -> tuple[str, int, int]:
+    """('file', 0, 0), ('lognormal', MEDIAN, CAP) or ('fixed', N, N); ValueError naming the forms."""
+    kind, *numbers = spec.split(":")
+    forms = "file, lognormal:MEDIAN:CAP or fixed:N"
+    try:
+        values = [int(number) for number in numbers]
+    except ValueError:
+        raise ValueError(f"--answer-lengths {spec!r}: numbers expected; the forms are {forms}") from None
+    if kind == "file" and not values:
+        return "file", 0, 0
+    if kind == "lognormal" and len(values) == 2 and 1 <= values[0] <= values[1]:
+        return "lognormal", values[0], values[1]
+    if kind == "fixed" and len(values) == 1 and values[0] >= 1:
+        return "fixed", values[0], values[0]
+    raise ValueError(f"--answer-lengths {spec!r}: the forms are {forms} (1 <= MEDIAN <= CAP, N >= 1)")
+
+
+def drawn_answer_lengths(kind: str, median: int, cap: int, count: int, seed: int = 1) -> list[int]:
+    """`count` answer lengths: lognormal (ANSWER_SIGMA) around `median`, 1..cap, or all `median`."""
+    if kind == "fixed":
+        return [median] * count
+    rng = random.Random(seed)
+    return [max(1, min(cap, int(math.exp(rng.gauss(math.log(median), ANSWER_SIGMA))))) for _ in range(count)]
+
+
+class ForcedEnding:
+    """On a random-weight target (which never says its end token), each answer ends at the length the
+    bench gives its prompt: the end token is forced at that step and kept out before it, as a forward
+    hook on the logits, for every engine that calls the target with position ids: the static engine,
+    plain `generate` and the old loop (checked on the CPU, eager, against plain `generate`; compiled
+    into the decode step and its CUDA graph on a GPU, where the static pass's `answers ending at their
+    given length: K/K` line is the check). A prefill
+    (more than one input token) finds each row's prompt (its last position + 1 tokens) and loads the
+    position where that row's end token goes into a buffer of fixed address, which the decode steps
+    (and a CUDA graph recorded over them) read: answer token k comes from position len(prompt) - 1 + k.
+    Not for continuous batching (one flattened row of many requests): continuous_with_lengths.
+
+    One per target and process (forced_ending), attached and detached, never replaced: Dynamo does not
+    guard on a module's hooks, so a compiled step keeps the hook (and the buffer) it was traced with.
+    For the same reason the bench keeps its compiled steps with the hook in a compile cache of their
+    own (ANSWER_LENGTHS_CACHE): a step kept without it would be loaded and never end an answer."""
+
+    def __init__(self, target, lengths: dict[tuple[int, ...], int], end_id: int, max_rows: int = 1 << 16):
+        self.target, self.lengths, self.end_id = target, lengths, end_id
+        self.ends = torch.zeros(max_rows, dtype=torch.long, device=next(target.parameters()).device)
+        self.handle = None
+
+    def attach(self) -> None:
+        self.handle = self.target.register_forward_hook(self.hook, with_kwargs=True)
+
+    def detach(self) -> None:
+        self.handle.remove()
+
+    def load(self, ids: torch.Tensor, positions: torch.Tensor) -> None:
+        ends = []
+        for row, last in zip(ids.tolist(), positions[:, -1].tolist(), strict=True):
+            prompt = tuple(row[len(row) - last - 1 :])
+            if prompt not in self.lengths:
+                raise RuntimeError(f"a prompt of {len(prompt)} tokens has no answer length: not the bench's")
+            ends.append(last + self.lengths[prompt])
+        self.ends[: len(ends)].copy_(torch.tensor(ends), non_blocking=True)
+
+    def hook(self, module, args, kwargs, output):
+        ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
+        if positions is None:
+            raise RuntimeError("--answer-lengths needs an engine that passes position ids to the target")
+        if ids.shape[1] > 1:
+            self.load(ids, positions)
+        logits = output.logits
+        last, ends = positions[:, -1], self.ends[: ids.shape[0]]
+        limits = torch.finfo(logits.dtype)
+        column = logits[:, -1, self.end_id]
+        forced = torch.where(last == ends, limits.max, torch.where(last < ends, limits.min, column))
+        logits[:, -1, self.end_id] = forced
+        return output
+
+
+def lengths_by_prompt(prompts: list[list[int]], lengths: list[int] | None) -> dict[tuple[int, ...], int]:
+    """Prompt -> answer length (empty without lengths); a prompt given twice keeps its first length
+    (its answers are alike)."""
+    found: dict[tuple[int, ...], int] = {}
+    for prompt, length in zip(prompts, lengths or [], strict=lengths is not None):
+        found.setdefault(tuple(prompt), length)
+    return found
+
+
+def answers_checked(target, prompts, answers, caps: list[int], end_id: int) -> int:
+    """How many answers equal plain greedy `generate` of their prompt alone with the same ending: the
+    forced one (under ForcedEnding), or continuous batching's per-request cap (`caps`)."""
+    equal = 0
+    for prompt, answer, cap in zip(prompts, answers, caps, strict=True):
+        ids = torch.tensor([prompt], device=next(target.parameters()).device)
+        output = target.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=cap, do_sample=False,
+            eos_token_id=end_id, pad_token_id=PAD_ID,
+        )[0, ids.shape[1] :].tolist()  # fmt: skip
+        equal += cut_answer(output, end_id) == list(answer)
+    return equal
+
+
+def row_steps_line(batches, answers) -> str:
+    """The share of the static engine's row-steps (rows x tokens decoded, every batch) that decode an
+    answer token: the rest waits for its batch's longest answer (or is a filler row)."""
+    if not batches:
+        return "row-steps used: not seen (--no-compile decodes through generate, not the static decoder)"
+    row_steps = sum(rows * steps for rows, _, _, steps in batches)
+    tokens = sum(map(len, answers))
+    share = 100 * tokens / max(1, row_steps)
+    return f"row-steps used: {share:.1f} %  ({tokens} answer tokens of {row_steps} row-steps)"
+
+
+def request_caps(lengths: list[int] | None, new_tokens: int, count: int) -> list[int]:
+    return [min(new_tokens, max(1, n)) for n in lengths] if lengths else [new_tokens] * count
+
+
+_ENDINGS: dict[int, ForcedEnding] = {}
+
+
+@contextlib.contextmanager
+def forced_ending(target, lengths: dict | None, end_id: int):
+    """The target's ForcedEnding attached inside the block (nothing without lengths); the same one
+    every time in a process (its docstring says why)."""
+    if not lengths:
+        yield
+        return
+    ending = _ENDINGS.get(id(target))
+    if ending is None or ending.target is not target:
+        ending = _ENDINGS[id(target)] = ForcedEnding(target, lengths, end_id)
+    ending.lengths = lengths
+    ending.attach()
+    try:
+        yield
+    finally:
+        ending.detach()
+
+
+def ended_line(prompts, answers, lengths: dict, cap: int) -> str:
+    """How many answers end exactly where they were given to (their length, or the cap): on any
+    device, the check that the forced ending worked."""
+    ended = sum(len(a) == min(cap, lengths[tuple(p)]) for p, a in zip(prompts, answers, strict=True))
+    return f"answers ending at their given length: {ended}/{len(prompts)}"
+
+
+@contextlib.contextmanager
+def settable_attention(target, name: str | None):
+    """attention_of, a name this transformers refuses named with its version (--cb-attention)."""
+    import transformers
+
+    try:
+        context = attention_of(target, name)
+        context.__enter__()
+    except (ValueError, KeyError, ImportError) as exc:
+        raise SystemExit(
+            f"--cb-attention {name!r}: transformers {transformers.__version__} refuses it ({exc}); "
+            "e.g. paged|sdpa or sdpa on 5.17, sdpa or paged|eager on 5.24"
+        ) from None
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)
+
+
+def continuous_with_lengths(target, prompts, lengths, new_tokens: int, end_id: int, tuning) -> list:
+    """transformers' continuous batching (ContinuousBatchingManager), each request ending at its
+    answer length as its own max_new_tokens: what a request that says its end token there costs it
+    (it leaves the batch at once). The answers are plain greedy ones cut at that length."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=end_id, pad_token_id=PAD_ID
+    )
+    caps = request_caps(lengths, new_tokens, len(prompts))
+    results: dict[str, list[int]] = {}
+    # The hints generate_batch gives it, so that the manager sizes itself as the product's call does.
+    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=new_tokens,
+                          num_requests=len(prompts))  # fmt: skip
+    with settable_attention(target, tuning.attention), target.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=tuning.config(target, prompts, new_tokens),
+        block=True, timeout=5, workload_hints=hints,
+    ) as manager:  # fmt: skip
+        for i, (prompt, cap) in enumerate(zip(prompts, caps, strict=True)):
+            manager.add_request(list(prompt), request_id=f"bench_{i}", max_new_tokens=cap)
+        deadline = time.monotonic() + 3600
+        while len(results) < len(prompts) and time.monotonic() < deadline:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = cut_answer(list(result.generated_tokens), end_id)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("continuous batching's generation thread ended before every answer")
+    if len(results) < len(prompts):
+        raise RuntimeError(f"continuous batching: {len(results)} of {len(prompts)} answers within an hour")
+    return [results[f"bench_{i}"] for i in range(len(prompts))]
+
+
+@dataclass
+class ContinuousTuning:
+    """The --cb-* flags: transformers' continuous batching tuned (None: its own default). The names
+    of its config differ between versions (5.17: block_size; 5.24: page_size): a flag the installed
+    version has no field for is refused, naming the version."""
+
+    attention: str | None = None
+    block_size: int | None = None
+    num_blocks: int | None = None
+    max_batch_tokens: int | None = None
+    max_requests: int | None = None
+    cuda_graphs: str = "auto"
+    compile_level: int | None = None
+
+    def config(self, target, prompts, new_tokens: int):
+        import transformers
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+        page = "page_size" if "page_size" in known else "block_size"
+        wanted = {
+            page: self.block_size, "num_blocks": self.num_blocks, "max_batch_tokens": self.max_batch_tokens,
+            "max_requests_per_batch": self.max_requests, "default_compile_level": self.compile_level,
+            "use_cuda_graph": None if self.cuda_graphs == "auto" else self.cuda_graphs == "on",
+        }  # fmt: skip
+        wanted = {name: value for name, value in wanted.items() if value is not None}
+        missing = sorted(set(wanted) - known)
+        if missing:
+            raise SystemExit(
+                f"transformers {transformers.__version__}'s ContinuousBatchingConfig has no "
+                f"{', '.join(missing)}: leave its --cb-* flag out on this version"
+            )
+        if next(target.parameters()).device.type == "cpu":  # sized for the call (regen.cpu_cache_config)
+            sized = cpu_cache_config(prompts, new_tokens)
+            wanted.setdefault("num_blocks", sized.num_blocks)
+            wanted.setdefault("max_batch_tokens", sized.max_batch_tokens)
+            wanted.setdefault(page, CACHE_PAGE_TOKENS)
+        return ContinuousBatchingConfig(**wanted)
+
+
+def continuous_row(name, target, prompts, lengths, new_tokens, source, tuning, device, limit,
+                   profile) -> None:  # fmt: skip
+    """The continuous row through the manager (tuned by --cb-*, answers ended by --answer-lengths);
+    on a CPU every answer is checked against plain greedy generate."""
+    out: list = []
+
+    def run():
+        out[:] = continuous_with_lengths(target, prompts, lengths, new_tokens, source.end_id, tuning)
+        return out
+
+    timed(name, device, run, prompts, limit, profile)
+    if device.type == "cpu":
+        caps = request_caps(lengths, new_tokens, len(prompts))
+        equal = answers_checked(target, prompts, out, caps, source.end_id)
+        print(f"    answers equal: {equal}/{len(prompts)}", flush=True)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=["8b", "tiny"], default="8b")
@@ -371,7 +662,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--prompts", type=int, help="default: 512 (8b), 24 (tiny); --chat: its first N conversations"
     )
-    parser.add_argument("--new-tokens", type=int, help="new tokens per answer; default 256 (8b), 16 (tiny)")
+    parser.add_argument(
+        "--new-tokens", help="the cap on new tokens per answer; default 256 (8b), 16 (tiny); a comma list "
+        "runs the in-process rows at each cap in turn, in one process (one target)",
+    )  # fmt: skip
     parser.add_argument("--median", type=int, help="median prompt length; default 120 (8b), 24 (tiny)")
     parser.add_argument(
         "--today-prompts", type=int, help="prompts for the slow row; default 16 (8b), 6 (tiny)"
@@ -412,6 +706,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--shard-size", type=int, default=DataConfig.regen_shard_size, help="--chat: data.regen_shard_size"
     )
+    add_length_arguments(parser)
     args = parser.parse_args()
     rows = args.rows.split(",")
     unknown = set(rows) - {"today", "continuous", "static", "shards", "workers", ""}
@@ -426,13 +721,57 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"unknown --decode-scope {scope!r}; scopes are {', '.join(known_scopes)}")
     if "shards" in rows and not args.chat:
         parser.error("the shards row needs --chat: the chat file whose shards and turns it lays out")
+    check_length_arguments(parser, args, rows)
     return args
+
+
+def add_length_arguments(parser) -> None:
+    """--answer-lengths, --passes and the continuous row's --cb-* tuning."""
+    parser.add_argument(
+        "--answer-lengths", metavar="file|lognormal:MEDIAN:CAP|fixed:N",
+        help="random-weight targets: each answer ends at a given length (its end token forced there), "
+        "the chat file's own (file, with --chat), a seeded lognormal draw, or N each; rows today, static, "
+        "workers, --warm and continuous (its requests' own caps)",
+    )  # fmt: skip
+    parser.add_argument("--passes", type=int, choices=(1, 2), default=2,
+                        help="static: passes a row (the first compiles every new shape)")  # fmt: skip
+    parser.add_argument("--cb-attention", help="continuous: attention, e.g. paged|sdpa (5.17) or sdpa (5.24)")
+    parser.add_argument("--cb-block-size", type=int, help="continuous: tokens a cache block (page) holds")
+    parser.add_argument("--cb-num-blocks", type=int, help="continuous: blocks in the KV cache")
+    parser.add_argument("--cb-max-batch-tokens", type=int, help="continuous: tokens in one forward at most")
+    parser.add_argument("--cb-max-requests", type=int, help="continuous: requests in one forward at most")
+    parser.add_argument("--cb-cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                        help="continuous: CUDA graphs (auto: transformers decides)")  # fmt: skip
+    parser.add_argument("--cb-compile-level", type=int, choices=(0, 1, 2, 3),
+                        help="continuous: transformers' default compile level (0: none)")  # fmt: skip
+
+
+def check_length_arguments(parser, args, rows) -> None:
+    try:
+        args.lengths_spec = parse_answer_lengths(args.answer_lengths) if args.answer_lengths else None
+        args.caps = [int(cap) for cap in args.new_tokens.split(",")] if args.new_tokens else None
+    except ValueError as exc:
+        problem = f"--new-tokens {args.new_tokens!r}: integers expected (a comma list)"
+        parser.error(str(exc) if "answer-lengths" in str(exc) else problem)
+    if args.caps is not None and min(args.caps) < 1:
+        parser.error(f"--new-tokens {args.new_tokens!r}: each cap must be at least 1")
+    if args.lengths_spec and args.lengths_spec[0] == "file" and not args.chat:
+        parser.error("--answer-lengths file needs --chat and --target: the chat file whose answers it reads")
+    if args.lengths_spec and "shards" in rows:
+        parser.error(
+            "--answer-lengths does not run the shards row (its later turns hold this pass's answers); "
+            "leave shards out of --rows"
+        )
+    args.tuning = ContinuousTuning(
+        args.cb_attention, args.cb_block_size, args.cb_num_blocks, args.cb_max_batch_tokens,
+        args.cb_max_requests, args.cb_cuda_graphs, args.cb_compile_level,
+    )  # fmt: skip
 
 
 def main() -> int:
     args = parse_args()
     count, new_tokens, median, today_count = DEFAULTS[args.shape]
-    count, new_tokens = args.prompts or count, args.new_tokens or new_tokens
+    count, caps = args.prompts or count, args.caps or [new_tokens]
     median, today_count = args.median or median, args.today_prompts or today_count
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     import transformers
@@ -441,9 +780,11 @@ def main() -> int:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {device}, target {shape}")
     source = Source(args.shape, args.target or "", chat_path=args.chat or "", seq_len=args.seq_len,
                     shard_size=args.shard_size, conversations=args.prompts)  # fmt: skip
+    file_lengths = None
     if args.chat:
-        source.end_id, source.calls = chat_prompts(
-            Path(args.chat), Path(args.target), new_tokens, args.seq_len, args.shard_size, args.prompts
+        # A later turn's prompt holds the file's earlier answers cut to the largest cap.
+        source.end_id, source.calls, file_lengths = chat_prompts(
+            Path(args.chat), Path(args.target), max(caps), args.seq_len, args.shard_size, args.prompts
         )
         prompts = [prompt for call in source.calls for prompt in call]
         print(f"{args.chat}: {len(source.calls)} engine calls (shards x turns) of the product's stage")
@@ -452,46 +793,80 @@ def main() -> int:
     lengths = sorted(map(len, prompts))
     print(
         f"{len(prompts)} prompts, lengths median {lengths[len(lengths) // 2]} max {lengths[-1]}; "
-        f"{new_tokens} new tokens each"
+        f"{', '.join(map(str, caps))} new tokens each at most"
     )
+    answer_lengths = lengths_by_prompt(prompts, given_lengths(args.lengths_spec, file_lengths, len(prompts)))
+    if answer_lengths:
+        note = " (the file's, cut at the largest cap)" if args.chat else ""
+        print_answer_lengths(answer_lengths, prompts, caps, note)
     batch_sizes = [int(size) for size in args.batch_size.split(",")]
-
     scopes = args.decode_scope.split(",")
-
-    def settings_for(batch_size: int, scope: str = scopes[0]) -> RegenSettings:
-        compile_scope, _, dynamic = scope.partition("+")
-        return RegenSettings(
-            max_new_tokens=new_tokens, batch_size=batch_size, batch_tokens=args.batch_tokens,
-            min_width=args.min_width, compile=not args.no_compile, compile_scope=compile_scope,
-            compile_dynamic=dynamic == "dynamic",
-        )  # fmt: skip
-
     root = Path(args.compile_cache or tempfile.mkdtemp(prefix="regen-compile-")).absolute()
+    if answer_lengths:  # steps traced with the forced ending: never mixed with the product's (ForcedEnding)
+        root = root / ANSWER_LENGTHS_CACHE
     compile_dir = compile_cache.cache_directory(root, device)
     rows = args.rows.split(",")
-    if set(rows) & {"today", "continuous", "static", "shards"}:
-        with compile_cache.persisted(compile_dir, print):
-            in_process_rows(args, rows, prompts, source, device, settings_for, batch_sizes, today_count)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    settings = settings_for(batch_sizes[0])
-    if "workers" in rows:
-        for workers in [int(n) for n in args.workers.split(",")]:
-            print(f"workers: {workers} process(es) on {device}, compile cache {compile_dir}", flush=True)
-            worker_rows(prompts, settings, workers, source, device, compile_dir, 2, f"workers x{workers}")
-    for scope in scopes if args.warm else []:
-        print(f"warm: a fresh process over the compile cache {compile_dir}", flush=True)
-        name = "warm (fresh process)" if len(scopes) == 1 else f"warm {scope} (fresh process)"
-        settings = settings_for(batch_sizes[0], scope)
-        worker_rows(prompts, settings, 1, source, device, compile_dir, args.warm_passes, name)
+    target = None
+    for new_tokens in caps:
+
+        def settings_for(batch_size: int, scope: str = scopes[0], new_tokens=new_tokens) -> RegenSettings:
+            compile_scope, _, dynamic = scope.partition("+")
+            return RegenSettings(
+                max_new_tokens=new_tokens, batch_size=batch_size, batch_tokens=args.batch_tokens,
+                min_width=args.min_width, compile=not args.no_compile, compile_scope=compile_scope,
+                compile_dynamic=dynamic == "dynamic",
+            )  # fmt: skip
+
+        if len(caps) > 1:
+            print(f"== cap {new_tokens} new tokens", flush=True)
+        if set(rows) & {"today", "continuous", "static", "shards"}:
+            if target is None:
+                if device.type == "cpu":
+                    torch.set_num_threads(1)
+                target = bench_target(source.shape, source.target_path, device)
+            with compile_cache.persisted(compile_dir, print):
+                in_process_rows(args, rows, prompts, source, device, settings_for, batch_sizes, today_count,
+                                target, answer_lengths)  # fmt: skip
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        settings = settings_for(batch_sizes[0])
+        if "workers" in rows:
+            for workers in [int(n) for n in args.workers.split(",")]:
+                print(f"workers: {workers} process(es) on {device}, compile cache {compile_dir}", flush=True)
+                worker_rows(prompts, settings, workers, source, device, compile_dir, 2, f"workers x{workers}",
+                            answer_lengths)  # fmt: skip
+        for scope in scopes if args.warm else []:
+            print(f"warm: a fresh process over the compile cache {compile_dir}", flush=True)
+            name = "warm (fresh process)" if len(scopes) == 1 else f"warm {scope} (fresh process)"
+            settings = settings_for(batch_sizes[0], scope)
+            passes = args.warm_passes
+            worker_rows(prompts, settings, 1, source, device, compile_dir, passes, name, answer_lengths)
     return 0
 
 
-def in_process_rows(args, rows, prompts, source: Source, device, settings_for, batch_sizes, today_count):
-    """The rows that run in this process: today, continuous, static, shards (the module's docstring)."""
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    target = bench_target(source.shape, source.target_path, device)
+def given_lengths(spec, file_lengths: list[int] | None, count: int) -> list[int] | None:
+    """Each prompt's answer length for --answer-lengths (None: answers run to the cap), 1 at least."""
+    if spec is None:
+        return None
+    kind, median, cap = spec
+    lengths = file_lengths if kind == "file" else drawn_answer_lengths(kind, median, cap, count)
+    return [max(1, n) for n in lengths]
+
+
+def print_answer_lengths(answer_lengths: dict, prompts, caps: list[int], note: str = "") -> None:
+    lengths = sorted(answer_lengths[tuple(prompt)] for prompt in prompts)
+
+    def at(share: float) -> int:
+        return lengths[min(len(lengths) - 1, int(share * len(lengths)))]
+
+    over = ", ".join(f"{sum(n >= cap for n in lengths)} reach the cap of {cap}" for cap in caps)
+    print(f"answer lengths{note}: median {at(0.5)}, p90 {at(0.9)}, p99 {at(0.99)}, max {lengths[-1]}; {over}")
+
+
+def in_process_rows(args, rows, prompts, source: Source, device, settings_for, batch_sizes, today_count,
+                    target, answer_lengths: dict | None):  # fmt: skip
+    """The rows that run in this process: today, continuous, static, shards (the module's docstring);
+    with answer_lengths each answer ends at its given length (ForcedEnding; continuous: its cap)."""
     new_tokens = settings_for(batch_sizes[0]).max_new_tokens
     chat = BenchChat(source.end_id)
 
@@ -504,11 +879,18 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
                 subset = prompts[:today_count]
                 limit = memory_bound_tokens_per_s(target, subset, new_tokens, 1, args.bandwidth_tbs)
                 run = lambda subset=subset: today(target, subset, new_tokens, device)  # noqa: E731
-                timed("today (chat.regenerate)", device, run, subset, limit)
+                with forced_ending(target, answer_lengths, source.end_id):
+                    timed("today (chat.regenerate)", device, run, subset, limit)
             elif row == "continuous":
                 limit = memory_bound_tokens_per_s(
                     target, prompts, new_tokens, len(prompts), args.bandwidth_tbs
                 )
+                if answer_lengths or args.tuning != ContinuousTuning():
+                    lengths = [answer_lengths[tuple(p)] for p in prompts] if answer_lengths else None
+                    name = "continuous (tuned)" if args.tuning != ContinuousTuning() else "continuous"
+                    continuous_row(name, target, prompts, lengths, new_tokens, source, args.tuning, device,
+                                   limit, args.profile)  # fmt: skip
+                    continue
                 run = lambda: continuous_generate(  # noqa: E731
                     target, prompts, settings_for(batch_sizes[0]), chat, PAD_ID, never
                 )
@@ -531,15 +913,25 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
                     if row == "shards" and source.chat_path:
                         run = product_shards(source, static, target, never)
 
-                    for attempt in (1, 2):  # the first pass compiles each new shape
+                    for attempt in range(1, args.passes + 1):  # the first pass compiles each new shape
                         name = f"{row} B{batch_size}{'' if len(scopes) == 1 else ' ' + scope} pass {attempt}"
                         graphs, phases = counters["stats"]["unique_graphs"], compile_phase_seconds()
-                        with batch_times(device) as batches:
-                            timed(name, device, run, prompts, limit, args.profile and attempt == 2)
+                        last = attempt == args.passes
+                        ending = forced_ending(target, answer_lengths, source.end_id)
+                        with batch_times(device) as batches, ending:
+                            answers = timed(name, device, run, prompts, limit, args.profile and last)
                         print(f"    Dynamo compiled {counters['stats']['unique_graphs'] - graphs} graph(s)")
                         print_compile_phases(phases)
-                        if attempt == 2:
+                        if answer_lengths:
+                            ended = ended_line(prompts, answers, answer_lengths, new_tokens)
+                            print(f"    {row_steps_line(batches, answers)}\n    {ended}", flush=True)
+                        if last:
                             print_batches(batches)
+                    if answer_lengths and device.type == "cpu":
+                        with forced_ending(target, answer_lengths, source.end_id):
+                            caps = [new_tokens] * len(prompts)
+                            equal = answers_checked(target, prompts, answers, caps, source.end_id)
+                        print(f"    answers equal: {equal}/{len(prompts)}", flush=True)
 
 
 if __name__ == "__main__":

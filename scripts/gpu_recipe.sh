@@ -25,7 +25,16 @@
 #          warm-compare), over the compile cache the machine holds: on a machine that did not run
 #          the data stage it compiles from nothing, the figure to set beside the data stage's cold
 #          regeneration.
-# Usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, all), in order;
+#   lengths: regen_bench's static engine on the data stage's chat set and target (built here if
+#          missing), each answer ending where the file's does (--answer-lengths file: the random
+#          target never ends on its own), at the caps LENGTHS_CAPS (default 256,1024,2048) in one
+#          process over a compile cache of its own under the machine's (answer-lengths/: its steps
+#          carry the forced ending): per cap, useful tok/s (answer tokens only), the
+#          share of row-steps that decode an answer token, and peak memory. LENGTHS_CONVERSATIONS
+#          (default 48: 61 prompts of up to 1,111 tokens, one batch of width 2,048 at each cap, so
+#          three shapes compile cold and the stage fits a call); LENGTHS_PASSES (default 2: the
+#          first compiles what is new, the second is the steady figure).
+# Usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, all), in order;
 # e.g. `data`, then `train`, then `export warm-compare`: the recipe from an empty state and the
 # product's regeneration against its bench, in three calls.
 # Each stage fits a device call of ten minutes. On one H200 (2026-12-05, docs/PERFORMANCE.md) with
@@ -44,7 +53,7 @@
 # Every process it starts is ended by PID, also on failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, all)}
+STAGE=${1:?usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, all)}
 OUT=${OUT:-/tmp/gpu_recipe}
 # compare builds its own, smaller chat set: a directory of its own, so data and train find theirs.
 RECIPE_DIR=${RECIPE_DIR:-/tmp/dflash-$([ "$STAGE" = compare ] && echo compare || echo recipe)}
@@ -255,6 +264,18 @@ stage_bench() {  # regen_bench on the data stage's set, over the compile cache t
         | grep -E "pass|calls|prompts,|compile cache|Dynamo|phases" | sed 's/^/   /'
 }
 
+stage_lengths() {  # regen_bench with the chat set's own answer lengths, at several caps, one process
+    build_model
+    local caps=${LENGTHS_CAPS:-256,1024,2048}
+    say "regen_bench --answer-lengths file: the first ${LENGTHS_CONVERSATIONS:-48} conversations at caps $caps"
+    # shellcheck disable=SC2086 # LENGTHS_BENCH_ARGS is a list of arguments
+    python3 bench/regen_bench.py --rows static --chat "$MODEL/chat.jsonl" --target "$MODEL/target" \
+        --answer-lengths file --new-tokens "$caps" --prompts "${LENGTHS_CONVERSATIONS:-48}" \
+        --passes "${LENGTHS_PASSES:-2}" --seq-len 3072 ${LENGTHS_BENCH_ARGS:-} \
+        --compile-cache "$STATE/workspace/cache/compile" 2>&1 | grep -v -i "warn" | tee "$OUT/regen_lengths.log" \
+        | grep -E "pass|== cap|prompts,|answer lengths|row-steps|answers|compile cache|width" | sed 's/^/   /'
+}
+
 stage_compare() {
     CONVERSATIONS=${COMPARE_CONVERSATIONS:-256} build_model
     regen_pass first
@@ -275,8 +296,9 @@ for stage in "${@}"; do
         compare) stage_compare ;;
         warm-compare) stage_warm_compare ;;
         bench) stage_bench ;;
+        lengths) stage_lengths ;;
         all) stage_data; stage_train; stage_export ;;
-        *) echo "usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, all)" >&2; exit 2 ;;
+        *) echo "usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, all)" >&2; exit 2 ;;
     esac
     say "== $stage done"
 done

@@ -1,8 +1,9 @@
 """Typed configuration of a training run: dataclasses, layered loading and validation.
 
 Layers, later wins: dataclass defaults (the embedded CPU run) -> run profile (``runs/<name>.yml``:
-the experiment: ``run``, ``compile``, ``train``, ``drafter``) -> machine config (``--config``: the
-machine: ``model``, ``data``, ``parallel``) -> ``--set section.field=value`` -> ``--steps``/``--seed``.
+the experiment: ``run``, ``compile``, ``train``, ``drafter``, and of ``data`` only what the recipe's
+answers are, PROFILE_DATA_KEYS) -> machine config (``--config``: the machine: ``model``, ``data``,
+``parallel``) -> ``--set section.field=value`` -> ``--steps``/``--seed``.
 
 Every problem found is collected (not just the first), so ``--check`` can list them all.
 """
@@ -526,7 +527,10 @@ def compile_guard(run: RunConfig, compile_cfg: CompileConfig) -> list[str]:
 
 
 # Which sections each layer may set: a profile is the experiment, a machine config the machine.
-PROFILE_SECTIONS = ("run", "compile", "train", "drafter")
+PROFILE_SECTIONS = ("run", "compile", "train", "drafter", "data")
+# Of the data section, a profile sets only what is part of the recipe: how long a regenerated
+# answer may be (the recipe's answers are whole ones). The data itself and its cache are the machine's.
+PROFILE_DATA_KEYS = ("regen_max_new_tokens",)
 MACHINE_SECTIONS = ("model", "data", "parallel", "log")
 SECTION_TYPES = {f.name: f.type for f in dataclasses.fields(Config)}
 
@@ -585,7 +589,9 @@ def _apply_layer(
     source: str,
     allowed_sections: tuple[str, ...],
     problems: list[str],
+    allowed_keys: dict[str, tuple[str, ...]] | None = None,
 ) -> None:
+    """allowed_keys: for a section named there, the only keys this layer may set."""
     if layer is None:
         return
     if not isinstance(layer, dict):
@@ -609,6 +615,13 @@ def _apply_layer(
             where = f"{source}: {section}.{key}"
             if key not in hints or key.startswith("_"):
                 problems.append(f"{where}: unknown key (known: {', '.join(hints)})")
+                continue
+            only = (allowed_keys or {}).get(section)
+            if only is not None and key not in only:
+                problems.append(
+                    f"{where}: does not belong here (allowed of {section}: {', '.join(only)}); set it "
+                    "in the machine config (--config) or with --set"
+                )
                 continue
             try:
                 values[section][key] = _coerce(value, hints[key], where)
@@ -679,7 +692,8 @@ def load_config(
         raise ConfigError([f"unknown run {run!r}; known runs: {listing}"])
     values["run"]["name"] = run
     profile = _read_yaml(RUNS_DIR / f"{run}.yml", "run profile", problems)
-    _apply_layer(values, profile, f"run profile {run}", PROFILE_SECTIONS, problems)
+    profile_keys = {"data": PROFILE_DATA_KEYS}
+    _apply_layer(values, profile, f"run profile {run}", PROFILE_SECTIONS, problems, profile_keys)
     if isinstance(profile, dict) and "name" in (profile.get("run") or {}):
         problems.append(f"run profile {run}: run.name is the file stem; remove it")
 

@@ -53,7 +53,9 @@ def test_every_shipped_profile_passes_check(run, tmp_path, sized_target):
 @pytest.mark.parametrize("run", PROFILES)
 def test_profile_holds_experiment_settings_only(run):
     data = yaml.safe_load((RUNS_DIR / f"{run}.yml").read_text())
-    assert set(data) <= {"run", "compile", "train", "drafter"}
+    assert set(data) <= {"run", "compile", "train", "drafter", "data"}
+    # Of data, only the recipe's answers: the data itself is the machine's.
+    assert set(data.get("data", {})) <= {"regen_max_new_tokens"}
     assert data["run"]["topology"] in ("threaded", "process")
     assert data["run"]["description"]
 
@@ -66,6 +68,28 @@ def test_recipe_profile_is_the_published_dflash_recipe_for_an_8b_target():
     d = cfg.drafter
     assert (d.num_layers, d.num_context_layers, d.block_size, d.num_anchors, d.gamma) == (5, 5, 16, 512, 7.0)
     assert cfg.train.keep_checkpoints >= 1 and cfg.train.checkpoint_every_s > 0
+
+
+def test_the_recipe_regenerates_whole_answers_unless_the_machine_config_says_otherwise(tmp_path):
+    """A machine config that names only the target and the data gets the recipe's cap of 2,048
+    tokens, not the embedded run's 64; a machine config's own cap wins."""
+    machine = tmp_path / "machine.yml"
+    machine.write_text(yaml.safe_dump({"model": {"target_path": "/t"}, "data": {"train_file": "/d"}}))
+    assert load_config("qwen3-8b", str(machine)).data.regen_max_new_tokens == 2048
+    data = {"train_file": "/d", "regen_max_new_tokens": 512}
+    machine.write_text(yaml.safe_dump({"model": {"target_path": "/t"}, "data": data}))
+    assert load_config("qwen3-8b", str(machine)).data.regen_max_new_tokens == 512
+
+
+def test_a_profile_setting_the_machine_s_data_is_refused_naming_the_key(tmp_path, monkeypatch):
+    monkeypatch.setattr("trainer.config.RUNS_DIR", tmp_path)
+    (tmp_path / "mine.yml").write_text("data: {train_file: /d, regen_max_new_tokens: 128}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config("mine")
+    assert refused.value.problems == [
+        "run profile mine: data.train_file: does not belong here (allowed of data: regen_max_new_tokens); "
+        "set it in the machine config (--config) or with --set"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ tokens, so the whole module stays quick."""
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import json
@@ -867,3 +868,33 @@ def test_a_shape_s_batches_reuse_its_cache_masks_and_steps_and_get_a_fresh_decod
     assert kept[1] == kept[0]  # the same shape: the same objects, loaded again
     assert all(a is not b for a, b in zip(kept[2], kept[1], strict=True))  # another shape, its own
     assert all(a is not b for a, b in zip(kept[3], kept[2], strict=True))
+
+
+def test_the_stage_says_how_many_answers_the_cap_cut(tmp_path, tiny, data_and_reference):
+    """The count of answers that reached data.regen_max_new_tokens, from the engine's answers, is
+    the reference's (plain greedy generate: an answer of the cap's length never reached its end
+    token), and the stage's closing line (and the event it records) says it."""
+    from trainer.run.regen import stage_ended
+
+    # The embedded target never says <|im_end|> within the cap: here a token it often says ends an answer.
+    target, tokenizer, chat = tiny
+    ending = copy.copy(chat)
+    ending.__class__ = type("EndsAtFive", (ChatFormat,), {"end_id": property(lambda self: 5)})
+    data, _ = data_and_reference
+    reference = plain_greedy(target, ending, data)
+    answers = [ids for turns in reference for role, ids in turns if role == "assistant"]
+    cut = sum(len(ids) == NEW_TOKENS for ids in answers)
+    assert 0 < cut < len(answers), [len(ids) for ids in answers]  # some end, some are cut
+    regen = regeneration(tmp_path, data, (target, tokenizer, ending))
+    regen.prepare()
+    progress = Progress(len(regen.index))
+    assert run_workers(regen, [tiny[0]], progress, lambda: False, lambda: None, 60.0)
+    assert (progress.answers, progress.cut) == (len(answers), cut)
+
+    lines: list[str] = []
+
+    class Out:
+        line = staticmethod(lines.append)
+
+    stage_ended(regen, progress, Out, None, None, None)
+    assert f", {cut} of {len(answers)} answers cut at the cap of {NEW_TOKENS} tokens" in lines[-1], lines

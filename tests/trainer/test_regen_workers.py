@@ -72,6 +72,11 @@ def test_two_cpu_workers_regenerate_in_two_processes_with_the_single_process_out
     assert "regen: 40/40 conversations" in two.stdout, two.stdout  # progress from both workers
     assert len(shards(tmp_path / "c2")) == 10
     assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+    # The answers the cap cut, counted in the workers and added up here: the one process's count.
+    cut = r"data: regenerated 40 conversations, .* (\d+) of (\d+) answers cut at the cap of 8 tokens"
+    counted = [re.search(cut, run.stdout) for run in (one, two)]
+    assert all(counted) and int(counted[0][2]) >= 40, one.stdout + two.stdout
+    assert counted[0].groups() == counted[1].groups(), two.stdout
 
 
 @pytest.fixture(scope="module")

@@ -204,6 +204,13 @@ class DataIndex:
 # ---- engines: prompts in, greedy answers (without the end token) out, in the prompts' order ----
 
 
+def answers_cut(answers: list[list[int]], settings: RegenSettings) -> int:
+    """How many answers reached the cap: an engine returns an answer without its end token, so one
+    of max_new_tokens tokens never got to end (or would have ended just there: either way the cap
+    decided where it stops)."""
+    return sum(len(answer) >= settings.max_new_tokens for answer in answers)
+
+
 def cut_answer(row: list[int], end_id: int) -> list[int]:
     return row[: row.index(end_id)] if end_id in row else row
 
@@ -462,19 +469,24 @@ def write_durably(path: Path, data: bytes) -> None:
 class Progress:
     """Conversations and tokens done across every worker of this process (thread-safe): of `total`
     (this process's share of the data set), `done_before` were done by an earlier start; the rate
-    and the time left count this start's work only."""
+    and the time left count this start's work only. `answers` counts the answers generated, `cut`
+    those that reached the cap (data.regen_max_new_tokens) before their end token."""
 
     total: int
     done_before: int = 0
     done: int = 0
     tokens: int = 0
+    answers: int = 0
+    cut: int = 0
     started: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, conversations: int, tokens: int) -> None:
+    def add(self, conversations: int, tokens: int, answers: int = 0, cut: int = 0) -> None:
         with self.lock:
             self.done += conversations
             self.tokens += tokens
+            self.answers += answers
+            self.cut += cut
 
     def snapshot(self) -> dict:
         with self.lock:
@@ -483,7 +495,7 @@ class Progress:
             eta = (self.total - self.done_before - self.done) / rate if rate > 0 else None
             return {
                 "kind": "regen", "conversations": self.done_before + self.done, "total": self.total,
-                "tokens": self.tokens,
+                "tokens": self.tokens, "answers": self.answers, "answers_cut": self.cut,
                 "tokens_per_s": self.tokens / elapsed, "elapsed_s": elapsed, "eta_s": eta,
             }  # fmt: skip
 
@@ -661,7 +673,7 @@ class Regeneration:
                 return None
             for i, answer in zip(todo, answers, strict=True):
                 examples[i].turns[turn] = ("assistant", answer)
-            progress.add(0, sum(len(a) for a in answers))
+            progress.add(0, sum(len(a) for a in answers), len(answers), answers_cut(answers, self.settings))
         return [
             {"line": line, "turns": e.turns} for (line, _), e in zip(conversations, examples, strict=True)
         ]

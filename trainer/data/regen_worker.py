@@ -102,8 +102,8 @@ class SentProgress:
     def __init__(self, send: Callable[[dict], None]):
         self.send = send
 
-    def add(self, conversations: int, tokens: int) -> None:
-        self.send({"progress": [conversations, tokens]})
+    def add(self, conversations: int, tokens: int, answers: int = 0, cut: int = 0) -> None:
+        self.send({"progress": [conversations, tokens, answers, cut]})
 
 
 # ---- the parent ----

@@ -300,12 +300,22 @@ def stage_ended(regeneration: Regeneration, progress: Progress, out, out_dir, wo
     fresh = row["conversations"] - progress.done_before  # this start's, not an earlier one's
     end_text = (
         f"regenerated {fresh:,} conversations, {row['tokens']:,} tokens in "
-        f"{row['elapsed_s']:.1f}s ({row['tokens_per_s']:,.0f} tok/s), cached at {regeneration.directory}"
+        f"{row['elapsed_s']:.1f}s ({row['tokens_per_s']:,.0f} tok/s), "
+        f"{cut_text(row, regeneration.settings)}, cached at {regeneration.directory}"
     )
     out.line(f"data: {end_text}")
     note_stage(out_dir, world, "regenerated", row)
     if events is not None:
         events.record("regen", end_text, reason="regenerated")
+
+
+def cut_text(row: dict, settings: RegenSettings) -> str:
+    """How many answers the cap cut short: a cap below the data's answers shortens what the drafter
+    learns from, and this says so where the stage's figures are."""
+    return (
+        f"{row['answers_cut']:,} of {row['answers']:,} answers cut at the cap of "
+        f"{settings.max_new_tokens:,} tokens (data.regen_max_new_tokens)"
+    )
 
 
 def stage_events(cfg: Config, out_dir: Path) -> EventLog:
@@ -321,5 +331,6 @@ def note_stage(out_dir: Path | None, world, stage: str, row: dict) -> None:
     """The stage and its progress in the run record, for status (one process per host writes it)."""
     if out_dir is None or world.local_rank != 0:
         return
-    regen = {k: row[k] for k in ("conversations", "total", "tokens", "tokens_per_s", "eta_s")}
+    keys = ("conversations", "total", "tokens", "answers", "answers_cut", "tokens_per_s", "eta_s")
+    regen = {k: row[k] for k in keys}
     runrecord.note(out_dir, stage=stage, regen=regen)

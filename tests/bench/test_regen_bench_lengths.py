@@ -1,0 +1,104 @@
+"""The regeneration bench with answers that end at given lengths (--answer-lengths), on the CPU (tiny
+shape): every answer equals plain greedy generate's with the same forced ending, and the share of
+row-steps used is what the lengths and the static engine's batches imply."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.regen_bench import drawn_answer_lengths, make_prompts  # noqa: E402
+from bench.trainer_bench import SHAPES  # noqa: E402
+from trainer.data.decode import STOP_CHECK_EVERY  # noqa: E402
+from trainer.data.regen import RegenSettings, static_batches  # noqa: E402
+
+PROMPTS, CAP = 12, 16
+
+
+def bench(tmp_path: Path, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "bench/regen_bench.py", "--shape", "tiny", "--rows", "static",
+         "--prompts", str(PROMPTS), "--new-tokens", str(CAP), "--passes", "1",
+         "--compile-cache", str(tmp_path), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def expected_row_steps_share(lengths: list[int]) -> float:
+    """Answer tokens over rows x steps: each batch of the engine (its layout at the bench's settings,
+    24-token median prompts, 64-token widths) decodes until every row has said its end token, which it
+    sees at the first check (every STOP_CHECK_EVERY tokens) after it, or to the cap."""
+    prompts = make_prompts(PROMPTS, 24, SHAPES["tiny"].vocab)
+    settings = RegenSettings(max_new_tokens=CAP, min_width=64)
+    answered = row_steps = 0
+    for _, rows in static_batches(prompts, settings):
+        longest = max(lengths[i] for i in rows)
+        steps = min(CAP, STOP_CHECK_EVERY * math.ceil((longest + 1) / STOP_CHECK_EVERY))
+        answered += sum(min(lengths[i], CAP) for i in rows)
+        row_steps += steps * len(rows)
+    return 100 * answered / row_steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("spec", "lengths"),
+    [
+        ("lognormal:6:40", drawn_answer_lengths("lognormal", 6, 40, PROMPTS)),
+        (f"fixed:{CAP}", [CAP] * PROMPTS),
+    ],
+    ids=["long-tailed", "equal-at-the-cap"],
+)
+def test_answers_end_at_their_lengths_and_row_steps_used_is_what_they_imply(tmp_path, spec, lengths):
+    out = bench(tmp_path, "--answer-lengths", spec)
+    equal = re.search(r"^ +answers equal: (\d+)/(\d+)$", out, re.MULTILINE)
+    assert equal and int(equal[1]) == int(equal[2]) == PROMPTS, out
+    used = re.search(r"^ +row-steps used: ([\d.]+) %", out, re.MULTILINE)
+    assert used, out
+    assert float(used[1]) == pytest.approx(expected_row_steps_share(lengths), abs=0.05), out
+    tokens = re.search(r"^static B\d+ pass 1 +\d+ prompts +[\d.]+ s +(\d+) tokens", out, re.MULTILINE)
+    assert tokens and int(tokens[1]) == sum(min(n, CAP) for n in lengths), out  # answer tokens only
+    # Steps traced with the forced ending are kept apart from those without (a loaded one would not end).
+    assert f"compiling into {tmp_path}/answer-lengths/" in out, out
+    if spec.startswith("fixed"):
+        assert float(used[1]) == 100.0
+    else:
+        assert float(used[1]) < 100.0
+
+
+def test_file_lengths_without_a_chat_file_are_refused_naming_the_way_out() -> None:
+    result = subprocess.run(
+        [sys.executable, "bench/regen_bench.py", "--answer-lengths", "file", "--rows", "static"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "--answer-lengths file needs --chat and --target" in result.stderr
+
+
+@pytest.mark.parametrize("spec", ["lognormal:6", "lognormal:50:10", "fixed:0", "uniform:5", "lognormal:a:b"])
+def test_bad_answer_lengths_are_refused_naming_the_forms(spec) -> None:
+    result = subprocess.run(
+        [sys.executable, "bench/regen_bench.py", "--answer-lengths", spec, "--rows", "static"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "file, lognormal:MEDIAN:CAP or fixed:N" in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_continuous_batching_tuned_ends_each_request_at_its_length(tmp_path):
+    """The continuous row through transformers' manager, a --cb-* setting given: each request's own
+    cap ends its answer, and every answer is plain greedy generate's."""
+    lengths = drawn_answer_lengths("lognormal", 6, 40, 8)
+    out = bench(tmp_path, "--rows", "continuous", "--prompts", "8", "--answer-lengths", "lognormal:6:40",
+                "--cb-block-size", "32")  # fmt: skip
+    assert re.search(r"^ +answers equal: 8/8$", out, re.MULTILINE), out
+    tokens = re.search(r"^continuous \(tuned\) +8 prompts +[\d.]+ s +(\d+) tokens", out, re.MULTILINE)
+    assert tokens and int(tokens[1]) == sum(min(n, CAP) for n in lengths), out
