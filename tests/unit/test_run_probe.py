@@ -166,19 +166,55 @@ def test_the_target_s_records_win_over_an_empty_or_stale_cache(tmp_path, run_mod
     assert agreeing.result["target"]["repair"] is None
 
 
-def test_a_killed_run_is_exited_with_the_reason_from_its_record(tmp_path, run_module, trainer) -> None:
+def test_a_killed_run_is_closed_crashed_on_the_target_by_the_first_look(
+    tmp_path, run_module, trainer
+) -> None:
+    """SIGKILL leaves run.json saying running: the first look (status, stop, a launch) closes it,
+    on the target too, as crashed with what is known; no undocumented state leaves the module."""
     runs = tmp_path / "runs"
     started = trainer(out=runs / "nographs")
     kill_and_reap(started["pid"])
     result = probe(run_module, runs_dir=str(runs), recorded=started["record"])
-    assert result.result["state"] == "exited"
+    assert result.result["state"] == "exited"  # the process, gone
     assert result.result["exit_reason"].startswith("killed: it ended without closing its run record")
-    assert result.result["target"]["record"]["state"] == "exited"
+    assert result.result["target"]["record"]["state"] == "crashed"
+    on_disk = json.loads((runs / "nographs" / "run.json").read_text())
+    assert on_disk["state"] == "crashed" and on_disk["exit_status"] is None
+    assert on_disk["exit_reason"].startswith("killed: it ended without closing its run record")
     target = result.result["target"]
     assert target["repair"] is None, "the cache was right when written: the run ended since, no fault"
     assert target["ended"] == (
-        f"run {started['record']['run_id']} has exited since the last look: record and ledger updated"
+        f"run {started['record']['run_id']} has crashed since the last look: record and ledger updated"
     )
+    again = probe(run_module, runs_dir=str(runs), recorded=target["record"])
+    assert again.result["target"]["record"]["state"] == "crashed" and again.result["target"]["ended"] is None
+
+
+def test_a_damaged_record_is_rebuilt_from_the_lock_while_it_runs_and_closed_once_it_is_gone(
+    tmp_path, run_module, trainer
+) -> None:
+    """Wrong types written into run.json during a run (state 5, pid "abc"): status sees the trainer
+    through its lock and writes the record back whole; once the trainer is gone, its record is
+    closed with a documented state."""
+    runs = tmp_path / "runs"
+    out = runs / "nographs"
+    started = trainer("--first-step-after", "30", out=out)
+    record = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**record, "state": 5, "pid": "abc"}))
+    result = probe(run_module, runs_dir=str(runs), recorded=started["record"])
+    assert result.result["state"] == "running" and result.result["pid"] == started["pid"]
+    repaired = json.loads((out / "run.json").read_text())
+    assert repaired["state"] == "running" and repaired["pid"] == started["pid"]
+    assert repaired["run_id"] == record["run_id"]
+    assert "damaged (pid: 'abc' is not an int" in repaired["rebuilt"]
+    kill_and_reap(started["pid"])
+    (out / "run.json").write_text(json.dumps({**repaired, "state": 5, "pid": "abc"}))
+    gone = probe(run_module, runs_dir=str(runs), recorded=started["record"])
+    assert gone.result["target"]["record"]["state"] == "crashed"
+    closed = json.loads((out / "run.json").read_text())
+    assert closed["state"] == "crashed"
+    assert closed["exit_reason"].startswith("unknown: the run record was damaged")
+    assert "pid" not in closed and closed["run_id"] == record["run_id"]
 
 
 def test_an_output_and_the_disk_before_a_launch(tmp_path, run_module) -> None:
