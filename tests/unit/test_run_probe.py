@@ -131,10 +131,10 @@ def test_wait_for_fails_naming_the_exit_status_when_the_trainer_dies_first(
     )
     assert result.failed and result.result["state"] == "exited"
     assert (
-        f"the trainer (PID {started['pid']}) is exited before logging a line matching '^step '"
-        in (result.result["msg"])
+        f"the trainer (PID {started['pid']}) ended before a line matching '^step ': crashed, "
+        "exit status: unknown (the log does not say)" in (result.result["msg"])
     )
-    assert "exit status: unknown (the log does not say)" in result.result["msg"]
+    assert result.result["run_state"] == "crashed"
     assert "stand-in trainer" in result.result["msg"], "the log's tail is missing"
 
 
@@ -145,7 +145,8 @@ def test_wait_for_fails_at_the_timeout_and_leaves_the_trainer_running(tmp_path, 
     )
     assert result.failed and result.result["state"] == "running"
     assert (
-        "is alive but logged no line matching '^step ' within 0 s (it keeps running" in result.result["msg"]
+        "runs but has not reached a line matching '^step ' within 0 s (it keeps running"
+        in result.result["msg"]
     )
     assert probe(run_module, **identity(started)).result["state"] == "running"
 
@@ -405,3 +406,59 @@ def test_wait_for_succeeds_when_the_trainer_logged_the_line_and_ended_well(
     )
     assert not result.failed, result.result["msg"]
     assert result.result["matched"].startswith("step ") and result.result["exit_status"] == 0
+
+
+def test_a_trainer_stopped_before_its_first_line_is_said_stopped_in_words(
+    tmp_path, run_module, trainer
+) -> None:
+    """SIGTERM in the first seconds: the record says stopped, so does the wait's failure, in words."""
+    out = tmp_path / "runs" / "nographs"
+    started = trainer("--first-step-after", "30", out=out)
+    assert logged_within(tmp_path / "train.log", "stand-in trainer", 10)
+    kill_and_reap(started["pid"])
+    close_record(out, state="stopped", exit_status=0, exit_reason="stopped by SIGTERM")
+    result = probe(
+        run_module,
+        recorded=started["record"],
+        log=str(tmp_path / "train.log"),
+        wait_for=r"^step \d+/\d+ ",
+        wait_what="its first progress line",
+        timeout=20,
+    )
+    assert result.failed and result.result["run_state"] == "stopped"
+    message = result.result["msg"]
+    assert message.startswith(
+        f"the trainer (PID {started['pid']}) was stopped before its first progress line "
+        "(exit status: 0 (stopped by SIGTERM)); the run is stopped."
+    ), message
+    assert "matching" not in message and "\\d" not in message
+
+
+def test_a_wait_for_a_stage_fails_with_the_reason_of_a_start_refused_after_its_first_line(
+    tmp_path, run_module, trainer
+) -> None:
+    """The data stage's first line comes before its checks: with wait_stage, the line alone is not
+    enough; the stage noted in the record is, and a refusal after the line fails with its reason."""
+    out = tmp_path / "runs" / "nographs"
+    started = trainer(out=out)
+    assert logged_within(tmp_path / "train.log", "step 1/10 ", 10)
+    waiting = {
+        "recorded": started["record"],
+        "log": str(tmp_path / "train.log"),
+        "wait_for": "^step ",
+        "wait_what": "the start of its data stage",
+        "wait_stage": ["regenerating", "regenerated"],
+    }
+    early = probe(run_module, **waiting, timeout=0.5)
+    assert early.failed and "runs but has not reached the start of its data stage" in early.result["msg"]
+    close_record(out, stage="regenerating")
+    assert not probe(run_module, **waiting, timeout=5).failed
+    kill_and_reap(started["pid"])
+    reason = "bad input: chat.jsonl:3: the conversation has 1,400 tokens, longer than train.seq_len=1000"
+    close_record(out, state="failed", exit_status=2, exit_reason=reason, stage="checking")
+    refused = probe(run_module, **waiting, timeout=5)
+    assert refused.failed and refused.result["run_state"] == "failed"
+    assert (
+        f"ended before the start of its data stage: failed, exit status: 2 ({reason})"
+        in refused.result["msg"]
+    )
