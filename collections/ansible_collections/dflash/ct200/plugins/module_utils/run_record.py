@@ -14,7 +14,10 @@ The run record is ``<out>/run.json``, written atomically (temporary file, fsync,
     {"format": 1, "run": "nographs", "run_id": "nographs-20261130T101500Z-4242", "pid": 4242,
      "start_time": 123456, "boot_id": "...", "host": "ct200", "out": "...", "log": "...",
      "started_at": "2026-11-30T10:15:00Z", "steps": 300, "resume": false, "cmdline": [...],
-     "state": "running", "restarts": []}
+     "state": "running", "restarts": [], "metrics_from": 0}
+
+``metrics_from`` is the size of ``<out>/metrics.jsonl`` when this start began: the rows after it
+are this start's (a resume appends to the run's file).
 
 The process that ends the run adds ``state`` (finished, stopped, failed: bad input, crashed),
 ``exit_status``, ``exit_reason``, ``ended_at``, ``last_step`` and ``last_checkpoint``. A record
@@ -110,7 +113,7 @@ FIELD_TYPES = {
     "host": str, "out": str, "log": str, "started_at": str, "steps": int, "topology": str,
     "resume": bool, "cmdline": list, "state": str, "restarts": list, "stretches": list,
     "exit_status": int, "exit_reason": str, "ended_at": str, "last_step": int,
-    "last_checkpoint": str, "stage": str, "regen": dict,
+    "last_checkpoint": str, "stage": str, "regen": dict, "metrics_from": int,
 }  # fmt: skip
 REQUIRED_FIELDS = ("run_id", "pid", "state")
 
