@@ -380,3 +380,8 @@ def test_a_start_that_trained_no_step_shows_its_own_end_not_an_earlier_start_s_f
         and row["last_tau"] is None
         and row["stretches"] == []
     )
+
+
+def test_one_evaluation_is_said_in_the_singular():
+    lines = curves.curve_lines({"series": {"eval": [[0, 1.0]]}, "last_tau": 1.0, "best_tau": 1.0})
+    assert lines[0].endswith(" last 1.000, best 1.000 (1 evaluation)")
