@@ -4,15 +4,18 @@ failure, status, runs, the ledger and run.json say the same state and reason. Re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ENDLESS_TINY_RUN, is_our_trainer, ledger, make_controller, stop_leftovers
+from conftest import ENDLESS_TINY_RUN, REPO, is_our_trainer, ledger, make_controller, stop_leftovers
 
 from dflashctl import PlaybookFailed
 
@@ -87,3 +90,56 @@ def test_an_early_stop_is_stopped_in_every_view_and_a_refused_regen_fails_with_i
         stop_leftovers(ctl, state_dir)
         for line in ledger(state_dir):
             assert not is_our_trainer(line), "a trainer of this test still runs"
+
+
+def test_ctrl_c_during_the_wait_says_the_trainer_runs_and_the_ledger_keeps_it_running(
+    state_dir: Path,
+) -> None:
+    """Ctrl-C to ansible-playbook while it waits for the first progress line (the ledger holds the
+    run by then): it says the trainer keeps running, its PID and log, and how to stop it; the
+    ledger says running, as the trainer does; status sees it and stop ends it."""
+    ctl = make_controller(state_dir, workspace_trainer_set=ENDLESS_TINY_RUN)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+        "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(state_dir / "facts"),
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+    }
+    extravars = json.dumps(
+        {"run": "nographs", "dflash_state_dir": str(state_dir), "workspace_trainer_set": ENDLESS_TINY_RUN}
+    )
+    output = state_dir.parent / "launch-playbook.log"
+    with output.open("wb") as sink:
+        playbook = subprocess.Popen(
+            ["ansible-playbook", str(REPO / "playbooks" / "launch.yml"), "-e", extravars],
+            cwd=REPO,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_for(
+            lambda: any(line["state"] == "running" for line in ledger(state_dir)), 300, "the ledger's line"
+        )
+        (line,) = ledger(state_dir)
+        log = Path(line["log"])
+        assert not (log.exists() and "\nstep " in log.read_text(errors="replace")), (
+            "too late: it trains already"
+        )
+        os.killpg(playbook.pid, signal.SIGINT)  # what Ctrl-C in its terminal does
+        playbook.wait(timeout=120)
+        said = output.read_text(errors="replace")
+        assert f"  ct200: run nographs as PID {line['pid']}, log {line['log']}" in said, said[-3000:]
+        assert "stop it with ./dev.sh stop" in said, said[-3000:]
+        assert is_our_trainer(line), "the trainer keeps running"
+        assert [row["state"] for row in ledger(state_dir)] == ["running"]
+        status = ctl.status()
+        assert status["state"] == "running" and status["pid"] == line["pid"], status
+        assert ctl.stop()["state_before"] == "running"
+        assert [row["state"] for row in ledger(state_dir)] == ["stopped"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(playbook.pid, signal.SIGKILL)
+        stop_leftovers(ctl, state_dir)
