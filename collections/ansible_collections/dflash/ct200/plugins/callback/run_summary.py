@@ -64,9 +64,7 @@ class CallbackModule(CallbackBase):
         lines = ["Interrupted: the trainer started is not stopped; it keeps running:"]
         for host, run in self.started.items():
             lines.append(f"  {host}: run {run['run']} as PID {run['pid']}, log {run['log']}")
-        lines.append(
-            "Watch it with ./dev.sh status; stop it with ./dev.sh stop."
-        )
+        lines.append("Watch it with ./dev.sh status; stop it with ./dev.sh stop.")
         return lines
 
     def say_left_running(self) -> None:
