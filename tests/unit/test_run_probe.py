@@ -462,3 +462,25 @@ def test_a_wait_for_a_stage_fails_with_the_reason_of_a_start_refused_after_its_f
         f"ended before the start of its data stage: failed, exit status: 2 ({reason})"
         in refused.result["msg"]
     )
+
+
+def test_a_trainer_killed_before_its_first_line_is_said_crashed_killed(tmp_path, run_module, trainer) -> None:
+    """SIGKILL in the first seconds: its record still says running; the wait closes it and says so."""
+    out = tmp_path / "runs" / "nographs"
+    started = trainer("--first-step-after", "30", out=out)
+    assert logged_within(tmp_path / "train.log", "stand-in trainer", 10)
+    kill_and_reap(started["pid"])
+    result = probe(
+        run_module,
+        recorded=started["record"],
+        log=str(tmp_path / "train.log"),
+        wait_for="^step ",
+        wait_what="its first progress line",
+        timeout=20,
+    )
+    assert result.failed and result.result["run_state"] == "crashed"
+    assert (
+        "ended before its first progress line: crashed, exit status: unknown (killed: it ended without "
+        "closing its run record" in result.result["msg"]
+    ), result.result["msg"]
+    assert json.loads((out / "run.json").read_text())["state"] == "crashed"

@@ -206,8 +206,12 @@ def exit_from_log(lines: list[str]) -> dict:
 
 
 def describe_exit(verdict: dict) -> str:
-    """`2 (bad input: ...)`, or that the log does not tell, for messages."""
+    """`2 (bad input: ...)`, or that the status is unknown and what is known (`killed: ...` from
+    the run record), else that the log does not tell, for messages."""
     if verdict.get("exit_status") is None:
+        reason = verdict.get("exit_reason")
+        if reason and not str(reason).startswith("unknown"):
+            return f"unknown ({reason})"
         return "unknown (the log does not say)"
     return f"{verdict['exit_status']} ({verdict['exit_reason']})"
 
