@@ -115,7 +115,8 @@ cmdline:
 run_state:
   description:
     - How a trainer that ended during the start ended, in the documented states (its run record's:
-      failed, stopped, crashed, finished; else as the exit status the log tells, unknown being C(crashed)).
+      failed, stopped, crashed, finished; else as the exit status the log tells: 1 C(crashed),
+      0 C(finished), otherwise C(failed), the start having failed).
   type: str
   returned: when the trainer ended during the start
 """
@@ -214,8 +215,9 @@ def ended_at_start(out: str | None, pid: int, log: str) -> dict:
         if run.get("exit_status") is not None or verdict["exit_status"] is None:
             verdict = {"exit_status": run.get("exit_status"), "exit_reason": run.get("exit_reason")}
         return {**verdict, "run_state": run["state"]}
+    # No record of its own: a crash where the log says so (exit status 1), else a start that failed.
     status = verdict["exit_status"]
-    state = "finished" if status == 0 else "failed" if status == 2 else "crashed"
+    state = "finished" if status == 0 else "crashed" if status == 1 else "failed"
     return {**verdict, "run_state": state}
 
 
