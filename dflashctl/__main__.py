@@ -14,8 +14,40 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from pathlib import Path
 
 from dflashctl.api import Controller, PlaybookFailed, Settings
+
+
+def left_running(state_dir, run: str, since: str) -> str:
+    """What an interrupted launch or regen left running, from the ledger (the launch writes its line
+    before it waits for the first progress line), and how to watch and stop it."""
+    started = []
+    try:
+        lines = (Path(state_dir) / "runs.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(record, dict)
+            and record.get("run") == run
+            and str(record.get("started_at", "")) >= since
+        ):
+            started.append(record)
+    how = "watch it with python -m dflashctl status, stop it with python -m dflashctl stop"
+    if not started:
+        return f"interrupted; a trainer it started, if any, is found by python -m dflashctl status ({how})"
+    words = [
+        f"{r.get('host')}: run {run} as PID {r.get('pid')}, log {r.get('log')}"
+        for r in started
+        if r.get("pid")
+    ]
+    return "interrupted; the trainer started keeps running: " + "; ".join(words) + f" ({how})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("runs", nargs="+", help="run names")
     args = parser.parse_args(argv)
     controller = Controller(Settings(inventory=args.inventory, state_dir=args.state_dir, limit=args.limit))
+    began = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     try:
         if args.command == "logs":
             try:
@@ -97,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         print(failure, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if args.command in ("launch", "regen"):
+            print(left_running(controller.settings.state_dir, args.run, began), file=sys.stderr)
         return 130
     print(json.dumps(result, indent=2, sort_keys=True))
     return 0

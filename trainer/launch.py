@@ -213,6 +213,13 @@ def log_of_this_process() -> str | None:
     return target if target.startswith("/") and not target.startswith("/dev/") else None
 
 
+def metrics_size(out: Path) -> int:
+    try:
+        return (out / "metrics.jsonl").stat().st_size
+    except OSError:
+        return 0
+
+
 def take_output(out: Path, cfg, args: argparse.Namespace, cmd: list[str]) -> dict:
     """Lock the output for this process's life (and its exec's), clear a killed save's temporary
     files, and write the run record before the trainer starts. Raises OutputBusy or OSError."""
@@ -239,6 +246,9 @@ def take_output(out: Path, cfg, args: argparse.Namespace, cmd: list[str]) -> dic
         "cmdline": cmd,
         "state": "running",
         "restarts": [],
+        # Where this start's rows of metrics.jsonl begin (a resume appends to the run's file): the
+        # history tells this start's figures from the earlier starts' by it.
+        "metrics_from": metrics_size(out),
     }
     earlier = runrecord.read_record(out) if args.resume else None
     if earlier and isinstance(earlier.get("stretches"), list):

@@ -71,3 +71,22 @@ def test_regen_runs_the_regen_playbook_for_the_run(recorded, monkeypatch, capsys
     monkeypatch.setattr(Controller, "run_playbook", run_playbook)
     assert Controller().regen("nographs") == {"run": "nographs", "pid": 7}
     assert played == [("regen.yml", {"run": "nographs"})]
+
+
+def test_ctrl_c_during_a_launch_says_the_trainer_it_started_keeps_running(
+    monkeypatch, tmp_path, capsys
+) -> None:
+    """The launch wrote its ledger line, then Ctrl-C came while it waited for the first progress line."""
+
+    class Interrupted(RecordingController):
+        def launch(self, run, **extravars):
+            line = {"run": run, "host": "ct200", "pid": 4242, "log": "/ws/train.log", "state": "running"}
+            line["started_at"] = "2999-01-01T00:00:00Z"
+            (tmp_path / "runs.jsonl").write_text(json.dumps(line) + "\n")
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "Controller", Interrupted)
+    assert cli.main(["--state-dir", str(tmp_path), "launch", "nographs"]) == 130
+    said = capsys.readouterr().err
+    assert "the trainer started keeps running: ct200: run nographs as PID 4242, log /ws/train.log" in said
+    assert "stop it with python -m dflashctl stop" in said

@@ -109,6 +109,7 @@ def test_trainer_dying_at_start_fails_with_log_tail(state_dir: Path) -> None:
         assert "exit status: 2" in message
         assert "Last lines of" in message and "train_compile_nographs.log" in message
         assert "error: " in message and "train_file" in message, "the trainer's own error is shown"
+        assert message.count("Last lines of") == 1, f"said once: {message}"
         records = ledger(state_dir)
         assert len(records) == 1 and records[0]["state"] == "failed", "the failed run keeps its record"
     finally:

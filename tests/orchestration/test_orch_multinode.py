@@ -204,7 +204,8 @@ def test_preflight_failing_on_one_host_starts_nothing_anywhere(tmp_path: Path) -
 @pytest.mark.slow
 def test_start_failing_on_one_host_stops_the_other(tmp_path: Path) -> None:
     """node1's python does not exist, so its run.sh dies at once; node0's torchrun, which started
-    and waits in the rendezvous, is stopped and recorded failed: nothing is left waiting."""
+    and waits in the rendezvous, is stopped and recorded stopped, as its run record says: nothing is
+    left waiting."""
     ctl = pair_controller(tmp_path, host_vars={"node1": {"dflash_python": str(tmp_path / "no-such-python")}})
     try:
         with pytest.raises(PlaybookFailed) as failure:
@@ -215,9 +216,11 @@ def test_start_failing_on_one_host_stops_the_other(tmp_path: Path) -> None:
         assert "the trainer started here (PID " in message and "was stopped" in message
         records = ledger(tmp_path / "state")
         assert {record["host"]: record["state"] for record in records} == {
-            "node0": "failed",
+            "node0": "stopped",
             "node1": "failed",
         }
+        node0 = json.loads((tmp_path / "node0" / "runs" / "process" / "run.json").read_text())
+        assert node0["state"] == "stopped", "the ledger says what the run record says"
         for record in records:
             assert not is_our_trainer(record), f"{record['host']}'s trainer is still running"
         log = (tmp_path / "node0" / "train_process.log").read_text()
@@ -261,9 +264,11 @@ def test_trainer_dying_on_one_host_stops_the_other(tmp_path: Path) -> None:
         assert "could not go on without node1 and was stopped" in message, message
         records = ledger(tmp_path / "state")
         assert {record["host"]: record["state"] for record in records} == {
-            "node0": "failed",
+            "node0": "stopped",
             "node1": "failed",
         }
+        node0 = json.loads((tmp_path / "node0" / "runs" / "process" / "run.json").read_text())
+        assert node0["state"] == "stopped", "the ledger says what the run record says"
         for record in records:
             assert not is_our_trainer(record), f"{record['host']}'s trainer is still running"
     finally:

@@ -85,6 +85,33 @@ def test_record_is_replaced_whole_and_only_by_its_run(tmp_path: Path) -> None:
     assert runrecord.read_record(out) is None
 
 
+def test_a_damaged_record_is_rewritten_whole_by_its_run_and_said_once(tmp_path: Path, capsys) -> None:
+    """A record with wrong types written during the run (state 5, pid "abc"): the run that holds the
+    output's lock rewrites it whole from what it knows on its next note, and says so once."""
+    out = tmp_path / "runs" / "nographs"
+    fd = runrecord.acquire_lock(out)
+    try:
+        started = "2026-12-06T04:00:00Z"
+        damaged = {"run_id": "nographs-1", "pid": "abc", "state": 5, "steps": 40, "started_at": started}
+        runrecord.write_record(out, damaged)
+        assert set(runrecord.record_problems(runrecord.read_record(out))) == {"pid", "state"}
+        runrecord.note(out, last_step=4)
+        runrecord.note(out, last_step=8)
+        record = runrecord.read_record(out)
+        assert runrecord.record_problems(record) == {}
+        assert record["pid"] == os.getpid() and record["start_time"] == runrecord.proc_start_time(os.getpid())
+        assert record["state"] == "running" and record["run_id"] == "nographs-1" and record["last_step"] == 8
+        assert record["steps"] == 40 and record["started_at"] == started, "sound fields are kept"
+        said = capsys.readouterr().err
+        assert said.count("was damaged (pid: 'abc' is not an int; state: 5 is not a str)") == 1, said
+    finally:
+        os.close(fd)
+    # Without the lock (another process's run, or none), a damaged record is not this process's to rewrite.
+    runrecord.write_record(out, {"run_id": "nographs-2", "pid": "abc", "state": 5})
+    runrecord.note(out, state="finished")
+    assert runrecord.read_record(out)["state"] == 5
+
+
 def test_fresh_start_moves_the_output_aside(tmp_path: Path) -> None:
     out = tmp_path / "nographs"
     (out / "checkpoints").mkdir(parents=True)

@@ -187,6 +187,8 @@ def test_bad_input_is_not_restarted(tmp_path):
     assert [e["event"] for e in events] == ["start", "failed"]
     assert events[-1]["exit_status"] == 2 and events[-1]["reason"].startswith("bad input: ")
     assert "with --resume" not in log.read_text()
+    # Where this start's metrics rows begin (none before it): the history tells its figures by it.
+    assert json.loads((out / "run.json").read_text())["metrics_from"] == 0
 
 
 def test_the_supervisor_refuses_bad_options(tmp_path):

@@ -295,15 +295,17 @@ def test_the_worker_count_of_each_stretch_in_runs_and_status():
     table = history.run_table(rows)
     at = table[0].index("WORKERS")
     assert table[1][at:].split()[0] == "8>7>1"
-    assert history.run_table(history.run_rows(ledger, {"ct200": [entry("long", events)]}))[1][at:].startswith(
-        "-"
-    )
+    # Without stretches in the record: blank, not a dash that reads as a count.
+    unknown = history.run_table(history.run_rows(ledger, {"ct200": [entry("long", events)]}))
+    assert unknown[1][at : at + len("WORKERS")].strip() == ""
     lines = curves.curve_lines({"stretches": stretches}, pid=10)
     assert lines == [
         "  workers  8 torchrun ranks on 2 hosts from step 0, 7 torchrun ranks from step 400, "
         "1 worker thread from step 900"
     ]
     assert curves.curve_lines({"stretches": "garbage"}) == []
+
+
 def test_a_killed_launch_with_a_later_one_shows_no_step_or_tau_it_never_reached():
     killed = record("nographs", 70, "2026-01-01T16:00:00Z")
     later = record("nographs", 80, "2026-01-01T17:00:00Z")
@@ -336,3 +338,50 @@ def test_the_exit_column_is_cut_at_a_word_never_inside_one():
     assert len(exit_cell) <= 60 and exit_cell.endswith("…")
     assert reason.startswith(exit_cell[:-1]) and reason[len(exit_cell) - 1] == " "
     assert history.clip("short reason", 60) == "short reason"
+
+
+def test_a_start_that_trained_no_step_shows_its_own_end_not_an_earlier_start_s_figures():
+    """A resume that ended on a full disk before its first step, its events lost with the disk, and
+    then a regeneration refused at its start: each row says its own state and reason from the run
+    record, with none of the training launch's step, loss, tau or workers; the training launch
+    keeps its own end's step and the worker count of the stretch it ended in."""
+    stretches = [{"from_step": 0, "workers": 2, "topology": "threaded", "hosts": 1}]
+    figures = {"last_step": 40, "total_steps": 60, "last_loss": 3.1, "best_tau": 1.7, "last_tau": 1.6}
+    trained = record("nographs", 10, "2026-01-01T10:00:00Z", "stopped")
+    resumed = record("nographs", 20, "2026-01-01T11:00:00Z", "failed")  # the ledger's word at launch
+    full = "disk full writing /ws/runs/nographs/metrics.jsonl: No space left on device"
+    events = [
+        event("start", 10, "2026-01-01T10:00:01Z"),
+        event("stop", 10, "2026-01-01T10:30:00Z", step=40, tau=1.6, text="x: stopped by SIGTERM"),
+    ]
+    target = {"run_id": resumed["run_id"], "state": "crashed", "exit_reason": full, "trained": False}
+    histories = {"ct200": [entry("nographs", events, stretches=stretches, record=target, **figures)]}
+    rows = history.run_rows([trained, resumed], histories, {"ct200": {"10": False, "20": False}})
+    assert [row["pid"] for row in rows] == [20, 10]
+    assert rows[0]["state"] == "crashed" and rows[0]["exit_reason"] == full
+    assert [rows[0][key] for key in ("step", "last_loss", "best_tau", "last_tau", "stretches")] == [
+        None, None, None, None, []
+    ]  # fmt: skip
+    assert rows[1]["step"] == 40 and rows[1]["last_tau"] == 1.6 and rows[1]["stretches"] == stretches
+    table = history.run_table(rows)
+    at = table[0].index("WORKERS")
+    assert table[1][at : at + len("WORKERS")].strip() == "" and table[2][at:].split()[0] == "2"
+
+    regen = record("nographs", 30, "2026-01-01T12:00:00Z", "failed")
+    refused = "bad input: chat.jsonl:3: longer than train.seq_len=1000"
+    target = {"run_id": regen["run_id"], "state": "failed", "exit_reason": refused, "data_only": True}
+    histories = {"ct200": [entry("nographs", events, stretches=stretches, record=target, **figures)]}
+    row = history.run_rows([trained, regen], histories, {"ct200": {"10": False, "30": False}})[0]
+    assert row["pid"] == 30
+    assert row["state"] == "failed" and row["exit_reason"] == refused
+    assert (
+        row["step"] is None
+        and row["last_loss"] is None
+        and row["last_tau"] is None
+        and row["stretches"] == []
+    )
+
+
+def test_one_evaluation_is_said_in_the_singular():
+    lines = curves.curve_lines({"series": {"eval": [[0, 1.0]]}, "last_tau": 1.0, "best_tau": 1.0})
+    assert lines[0].endswith(" last 1.000, best 1.000 (1 evaluation)")

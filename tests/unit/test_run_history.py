@@ -75,6 +75,29 @@ def test_the_run_records_stretches_are_returned_and_bad_ones_ignored(run_module,
     assert history(run_module, outs=[str(out)])["runs"][0]["stretches"] == []
 
 
+def test_the_newest_start_says_how_it_ended_and_whether_it_trained_a_step(run_module, tmp_path) -> None:
+    """The run record's metrics_from (where its start's rows of metrics.jsonl begin): a resume that
+    ended before its first step trained nothing of its own; a row after it, and it did."""
+    from trainer.run.runrecord import write_record
+
+    out = tmp_path / "runs" / "nographs"
+    write_run(out, train=[(10, 4.0, 100.0)], evals=[(10, 1.5)])
+    size = (out / "metrics.jsonl").stat().st_size
+    full = "disk full writing metrics.jsonl: No space left on device"
+    record = {"run_id": "nographs-2", "state": "crashed", "exit_status": 1, "exit_reason": full}
+    write_record(out, {**record, "metrics_from": size, "cmdline": ["python", "-m", "trainer", "--resume"]})
+    (run,) = history(run_module, outs=[str(out)])["runs"]
+    assert run["record"] == {**record, "data_only": False, "trained": False}
+    with (out / "metrics.jsonl").open("a") as metrics:
+        metrics.write(json.dumps({"kind": "train", "step": 11, "loss": 3.9}) + "\n")
+    assert history(run_module, outs=[str(out)])["runs"][0]["record"]["trained"] is True
+    write_record(out, {**record, "cmdline": ["python", "-m", "trainer", "--data-only"]})
+    newest = history(run_module, outs=[str(out)])["runs"][0]["record"]
+    assert newest["data_only"] is True and newest["trained"] is None, (
+        "a record without metrics_from does not say"
+    )
+
+
 def test_points_return_the_series_thinned_keeping_the_last(run_module, tmp_path) -> None:
     out = tmp_path / "graphs"
     write_run(out, train=[(s, 10.0 - s / 10, 50.0) for s in range(1, 51)], evals=[(10, 1.1), (20, 1.4)])

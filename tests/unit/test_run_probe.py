@@ -131,10 +131,10 @@ def test_wait_for_fails_naming_the_exit_status_when_the_trainer_dies_first(
     )
     assert result.failed and result.result["state"] == "exited"
     assert (
-        f"the trainer (PID {started['pid']}) is exited before logging a line matching '^step '"
-        in (result.result["msg"])
+        f"the trainer (PID {started['pid']}) ended before a line matching '^step ': crashed, "
+        "exit status: unknown (the log does not say)" in (result.result["msg"])
     )
-    assert "exit status: unknown (the log does not say)" in result.result["msg"]
+    assert result.result["run_state"] == "crashed"
     assert "stand-in trainer" in result.result["msg"], "the log's tail is missing"
 
 
@@ -145,7 +145,8 @@ def test_wait_for_fails_at_the_timeout_and_leaves_the_trainer_running(tmp_path, 
     )
     assert result.failed and result.result["state"] == "running"
     assert (
-        "is alive but logged no line matching '^step ' within 0 s (it keeps running" in result.result["msg"]
+        "runs but has not reached a line matching '^step ' within 0 s (it keeps running"
+        in result.result["msg"]
     )
     assert probe(run_module, **identity(started)).result["state"] == "running"
 
@@ -166,19 +167,55 @@ def test_the_target_s_records_win_over_an_empty_or_stale_cache(tmp_path, run_mod
     assert agreeing.result["target"]["repair"] is None
 
 
-def test_a_killed_run_is_exited_with_the_reason_from_its_record(tmp_path, run_module, trainer) -> None:
+def test_a_killed_run_is_closed_crashed_on_the_target_by_the_first_look(
+    tmp_path, run_module, trainer
+) -> None:
+    """SIGKILL leaves run.json saying running: the first look (status, stop, a launch) closes it,
+    on the target too, as crashed with what is known; no undocumented state leaves the module."""
     runs = tmp_path / "runs"
     started = trainer(out=runs / "nographs")
     kill_and_reap(started["pid"])
     result = probe(run_module, runs_dir=str(runs), recorded=started["record"])
-    assert result.result["state"] == "exited"
+    assert result.result["state"] == "exited"  # the process, gone
     assert result.result["exit_reason"].startswith("killed: it ended without closing its run record")
-    assert result.result["target"]["record"]["state"] == "exited"
+    assert result.result["target"]["record"]["state"] == "crashed"
+    on_disk = json.loads((runs / "nographs" / "run.json").read_text())
+    assert on_disk["state"] == "crashed" and on_disk["exit_status"] is None
+    assert on_disk["exit_reason"].startswith("killed: it ended without closing its run record")
     target = result.result["target"]
     assert target["repair"] is None, "the cache was right when written: the run ended since, no fault"
     assert target["ended"] == (
-        f"run {started['record']['run_id']} has exited since the last look: record and ledger updated"
+        f"run {started['record']['run_id']} has crashed since the last look: record and ledger updated"
     )
+    again = probe(run_module, runs_dir=str(runs), recorded=target["record"])
+    assert again.result["target"]["record"]["state"] == "crashed" and again.result["target"]["ended"] is None
+
+
+def test_a_damaged_record_is_rebuilt_from_the_lock_while_it_runs_and_closed_once_it_is_gone(
+    tmp_path, run_module, trainer
+) -> None:
+    """Wrong types written into run.json during a run (state 5, pid "abc"): status sees the trainer
+    through its lock and writes the record back whole; once the trainer is gone, its record is
+    closed with a documented state."""
+    runs = tmp_path / "runs"
+    out = runs / "nographs"
+    started = trainer("--first-step-after", "30", out=out)
+    record = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**record, "state": 5, "pid": "abc"}))
+    result = probe(run_module, runs_dir=str(runs), recorded=started["record"])
+    assert result.result["state"] == "running" and result.result["pid"] == started["pid"]
+    repaired = json.loads((out / "run.json").read_text())
+    assert repaired["state"] == "running" and repaired["pid"] == started["pid"]
+    assert repaired["run_id"] == record["run_id"]
+    assert "damaged (pid: 'abc' is not an int" in repaired["rebuilt"]
+    kill_and_reap(started["pid"])
+    (out / "run.json").write_text(json.dumps({**repaired, "state": 5, "pid": "abc"}))
+    gone = probe(run_module, runs_dir=str(runs), recorded=started["record"])
+    assert gone.result["target"]["record"]["state"] == "crashed"
+    closed = json.loads((out / "run.json").read_text())
+    assert closed["state"] == "crashed"
+    assert closed["exit_reason"].startswith("unknown: the run record was damaged")
+    assert "pid" not in closed and closed["run_id"] == record["run_id"]
 
 
 def test_an_output_and_the_disk_before_a_launch(tmp_path, run_module) -> None:
@@ -369,3 +406,81 @@ def test_wait_for_succeeds_when_the_trainer_logged_the_line_and_ended_well(
     )
     assert not result.failed, result.result["msg"]
     assert result.result["matched"].startswith("step ") and result.result["exit_status"] == 0
+
+
+def test_a_trainer_stopped_before_its_first_line_is_said_stopped_in_words(
+    tmp_path, run_module, trainer
+) -> None:
+    """SIGTERM in the first seconds: the record says stopped, so does the wait's failure, in words."""
+    out = tmp_path / "runs" / "nographs"
+    started = trainer("--first-step-after", "30", out=out)
+    assert logged_within(tmp_path / "train.log", "stand-in trainer", 10)
+    kill_and_reap(started["pid"])
+    close_record(out, state="stopped", exit_status=0, exit_reason="stopped by SIGTERM")
+    result = probe(
+        run_module,
+        recorded=started["record"],
+        log=str(tmp_path / "train.log"),
+        wait_for=r"^step \d+/\d+ ",
+        wait_what="its first progress line",
+        timeout=20,
+    )
+    assert result.failed and result.result["run_state"] == "stopped"
+    message = result.result["msg"]
+    assert message.startswith(
+        f"the trainer (PID {started['pid']}) was stopped before its first progress line "
+        "(exit status: 0 (stopped by SIGTERM)); the run is stopped."
+    ), message
+    assert "matching" not in message and "\\d" not in message
+
+
+def test_a_wait_for_a_stage_fails_with_the_reason_of_a_start_refused_after_its_first_line(
+    tmp_path, run_module, trainer
+) -> None:
+    """The data stage's first line comes before its checks: with wait_stage, the line alone is not
+    enough; the stage noted in the record is, and a refusal after the line fails with its reason."""
+    out = tmp_path / "runs" / "nographs"
+    started = trainer(out=out)
+    assert logged_within(tmp_path / "train.log", "step 1/10 ", 10)
+    waiting = {
+        "recorded": started["record"],
+        "log": str(tmp_path / "train.log"),
+        "wait_for": "^step ",
+        "wait_what": "the start of its data stage",
+        "wait_stage": ["regenerating", "regenerated"],
+    }
+    early = probe(run_module, **waiting, timeout=0.5)
+    assert early.failed and "runs but has not reached the start of its data stage" in early.result["msg"]
+    close_record(out, stage="regenerating")
+    assert not probe(run_module, **waiting, timeout=5).failed
+    kill_and_reap(started["pid"])
+    reason = "bad input: chat.jsonl:3: the conversation has 1,400 tokens, longer than train.seq_len=1000"
+    close_record(out, state="failed", exit_status=2, exit_reason=reason, stage="checking")
+    refused = probe(run_module, **waiting, timeout=5)
+    assert refused.failed and refused.result["run_state"] == "failed"
+    assert (
+        f"ended before the start of its data stage: failed, exit status: 2 ({reason})"
+        in refused.result["msg"]
+    )
+
+
+def test_a_trainer_killed_before_its_first_line_is_said_crashed_killed(tmp_path, run_module, trainer) -> None:
+    """SIGKILL in the first seconds: its record still says running; the wait closes it and says so."""
+    out = tmp_path / "runs" / "nographs"
+    started = trainer("--first-step-after", "30", out=out)
+    assert logged_within(tmp_path / "train.log", "stand-in trainer", 10)
+    kill_and_reap(started["pid"])
+    result = probe(
+        run_module,
+        recorded=started["record"],
+        log=str(tmp_path / "train.log"),
+        wait_for="^step ",
+        wait_what="its first progress line",
+        timeout=20,
+    )
+    assert result.failed and result.result["run_state"] == "crashed"
+    assert (
+        "ended before its first progress line: crashed, exit status: unknown (killed: it ended without "
+        "closing its run record" in result.result["msg"]
+    ), result.result["msg"]
+    assert json.loads((out / "run.json").read_text())["state"] == "crashed"

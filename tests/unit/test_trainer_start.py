@@ -117,6 +117,7 @@ def test_a_trainer_refusing_its_input_fails_the_start_with_exit_status_2_and_its
     msg = result.result["msg"]
     assert "exited; exit status: 2 (bad input: data.train_file /nonexistent/chat.jsonl" in msg
     assert f"Last lines of {log}" in msg and "error: data.train_file" in msg
+    assert result.result["run_state"] == "failed", "the documented state the ledger takes"
 
 
 def test_a_script_that_does_not_become_the_trainer_fails_naming_its_command_line(

@@ -6,6 +6,7 @@ processes: the stand-in trainer of tests/unit/standin.py, killed by PID at the e
 from __future__ import annotations
 
 import errno
+import json
 
 import pytest
 from ansible_collections.dflash.ct200.plugins.module_utils.run_record import read_record
@@ -202,3 +203,30 @@ def test_a_full_disk_at_the_stop_s_note_still_stops_and_reports_stopped(
     assert result.result["killed"] is True and gone_within(started["pid"], 5)
     assert result.result["record"]["state"] == "stopped" and result.result["record"]["killed"] is True
     assert read_record(runs / "nographs")["state"] == "running"  # what the target could keep
+
+
+def test_a_record_with_wrong_types_is_repaired_from_the_lock_and_the_trainer_stopped(
+    tmp_path, run_module, trainer
+) -> None:
+    """run.json overwritten with wrong types while the run trains (state 5, pid "abc"): the stop
+    finds the trainer through the output's lock, stops it, and the record says stopped."""
+    runs = tmp_path / "runs"
+    started = trainer("--behave", "ignore-term", out=runs / "nographs")
+    record = read_record(runs / "nographs")
+    (runs / "nographs" / "run.json").write_text(json.dumps({**record, "state": 5, "pid": "abc"}))
+    result = run_module(
+        trainer_stop.main,
+        {
+            "runs_dir": str(runs),
+            "recorded": started["record"],
+            "log": str(tmp_path / "train.log"),
+            "timeout": 0.5,
+        },
+    )
+    assert not result.failed, result.result["msg"]
+    assert result.result["state_before"] == "running" and result.result["pid"] == started["pid"]
+    assert gone_within(started["pid"], 5)
+    after = read_record(runs / "nographs")
+    assert (
+        after["state"] == "stopped" and after["pid"] == started["pid"] and after["run_id"] == record["run_id"]
+    )

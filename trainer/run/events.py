@@ -209,8 +209,8 @@ class EventLog:
         Only the recorded process (this one: the supervisor or torchrun) writes it."""
         from . import runrecord
 
-        record = runrecord.read_record(self.out_dir)
-        if record is None or record.get("pid") != os.getpid():
+        record = runrecord.own_record(self.out_dir, (os.getpid(),))  # a damaged one rewritten whole
+        if record is None:
             return
         event = row["event"]
         if event == "restart":

@@ -14,7 +14,10 @@ The run record is ``<out>/run.json``, written atomically (temporary file, fsync,
     {"format": 1, "run": "nographs", "run_id": "nographs-20261130T101500Z-4242", "pid": 4242,
      "start_time": 123456, "boot_id": "...", "host": "ct200", "out": "...", "log": "...",
      "started_at": "2026-11-30T10:15:00Z", "steps": 300, "resume": false, "cmdline": [...],
-     "state": "running", "restarts": []}
+     "state": "running", "restarts": [], "metrics_from": 0}
+
+``metrics_from`` is the size of ``<out>/metrics.jsonl`` when this start began: the rows after it
+are this start's (a resume appends to the run's file).
 
 The process that ends the run adds ``state`` (finished, stopped, failed: bad input, crashed),
 ``exit_status``, ``exit_reason``, ``ended_at``, ``last_step`` and ``last_checkpoint``. A record
@@ -35,6 +38,7 @@ import fcntl
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -98,6 +102,88 @@ def read_record(out: Path | str) -> dict | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+# The documented states of a run (docs/OPERATING.md, "End states and exit statuses"): the only ones
+# a record, the ledger or a view may hold.
+RUN_STATES = ("running", "finished", "stopped", "failed", "crashed")
+# The type of each field a record may hold; null is allowed where the field is not known.
+FIELD_TYPES = {
+    "format": int, "run": str, "run_id": str, "pid": int, "start_time": int, "boot_id": str,
+    "host": str, "out": str, "log": str, "started_at": str, "steps": int, "topology": str,
+    "resume": bool, "cmdline": list, "state": str, "restarts": list, "stretches": list,
+    "exit_status": int, "exit_reason": str, "ended_at": str, "last_step": int,
+    "last_checkpoint": str, "stage": str, "regen": dict, "metrics_from": int,
+}  # fmt: skip
+REQUIRED_FIELDS = ("run_id", "pid", "state")
+
+
+def record_problems(record: dict) -> dict[str, str]:
+    """The damaged fields of a run record, each with what is wrong in words (`state: 5 is not a
+    documented state`); empty for a sound record. A field of the wrong type makes the whole record
+    untrustworthy: its readers would take a dead run for a live one or the other way round."""
+    problems = {}
+    for key, kind in FIELD_TYPES.items():
+        value = record.get(key)
+        if value is None:
+            if key in REQUIRED_FIELDS and key in record:
+                problems[key] = f"{key}: null"
+            continue
+        wrong = not isinstance(value, kind) or (kind is int and isinstance(value, bool))
+        if wrong or (key == "pid" and value <= 0):
+            problems[key] = f"{key}: {value!r} is not {'a' if kind is not int else 'an'} {kind.__name__}"
+    state = record.get("state")
+    if "state" not in problems and state is not None and state not in RUN_STATES:
+        problems["state"] = f"state: {state!r} is not one of {', '.join(RUN_STATES)}"
+    return problems
+
+
+def sound_fields(record: dict) -> dict:
+    """The fields of a record that are not damaged (record_problems), to keep in its repair."""
+    damaged = record_problems(record)
+    return {key: value for key, value in record.items() if key not in damaged}
+
+
+_SAID_REPAIRED: set[str] = set()
+
+
+def own_record(out: Path | str, owners: tuple[int, ...]) -> dict | None:
+    """The record of the run whose recorded PID is one of `owners` (this process, or its parent),
+    or None where the record is another run's or there is none. A damaged record (wrong types,
+    record_problems) is rebuilt whole from what this process knows where the output's lock holder
+    is one of `owners`: the lock holder's PID and start time, the boot, the run id in this
+    process's environment, and every sound field. Said once on stderr (the run's log)."""
+    record = read_record(out)
+    if record is None:
+        return None
+    problems = record_problems(record)
+    if not problems:
+        return record if record.get("pid") in owners else None
+    holder = lock_holder(out)
+    if not holder or holder not in owners:
+        return None
+    repaired = sound_fields(record)
+    run_id = repaired.get("run_id") or os.environ.get("DFLASH_RUN_ID") or new_run_id(Path(out).name, holder)
+    repaired.update(
+        format=RECORD_FORMAT,
+        pid=holder,
+        start_time=proc_start_time(holder),
+        boot_id=boot_id(),
+        out=str(out),
+        run=repaired.get("run") or Path(out).name,
+        run_id=run_id,
+        state=repaired.get("state") or "running",
+    )
+    if str(out) not in _SAID_REPAIRED:
+        _SAID_REPAIRED.add(str(out))
+        with contextlib.suppress(OSError):
+            print(
+                f"run record: {record_path(out)} was damaged ({'; '.join(problems.values())}); "
+                "rewritten whole from what this process knows",
+                file=sys.stderr,
+                flush=True,
+            )
+    return repaired
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -326,9 +412,10 @@ def last_metrics(out: Path | str) -> dict:
 def note(out: Path | str, **fields) -> None:
     """Add fields to the record of the run this process belongs to (the recorded PID is this
     process, or its parent: torchrun for a rank); a record of another run is left alone. Never
-    fails the run: the record is a report, the checkpoints are the state."""
-    record = read_record(out)
-    if record is None or record.get("pid") not in (os.getpid(), os.getppid()):
+    fails the run: the record is a report, the checkpoints are the state. A damaged record is
+    rewritten whole (own_record)."""
+    record = own_record(out, (os.getpid(), os.getppid()))
+    if record is None:
         return
     record.update(fields)
     with contextlib.suppress(OSError):

@@ -78,7 +78,7 @@ def curve_lines(run: dict | None, pid=None, width: int = 40) -> list[str]:
     if taus:
         lines.append(
             f"  tau/eval {sparkline(taus, width)} last {number(run.get('last_tau'), 3)}, "
-            f"best {number(run.get('best_tau'), 3)} ({len(taus)} evaluations)"
+            f"best {number(run.get('best_tau'), 3)} ({len(taus)} evaluation{'' if len(taus) == 1 else 's'})"
         )
     events = [e for e in run.get("events") or [] if pid is None or str(e.get("pid")) == str(pid)]
     restarts = [e for e in events if e.get("event") == "restart"]

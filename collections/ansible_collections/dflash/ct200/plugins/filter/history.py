@@ -46,8 +46,14 @@ def parse_time(text):
         return None
 
 
-def state_of(record: dict, events: list[dict], alive: bool | None) -> tuple[str, str | None, str | None]:
-    """(state, exit reason, end time) of one launch from its own events, else the ledger's word."""
+RECORD_ENDS = ("finished", "stopped", "failed", "crashed")
+
+
+def state_of(
+    record: dict, events: list[dict], alive: bool | None, target: dict | None = None
+) -> tuple[str, str | None, str | None]:
+    """(state, exit reason, end time) of one launch from its own events, else from its run record
+    on the target (`target`: run_history's `record`, where it is this launch's), else the ledger's word."""
     restarts = [e for e in events if e.get("event") == "restart"]
     ending = next((e for e in reversed(events) if e.get("event") in ENDINGS), None)
     # The data stage's events (docs/DATA.md): reason regenerating, regenerated or stopped.
@@ -66,6 +72,10 @@ def state_of(record: dict, events: list[dict], alive: bool | None) -> tuple[str,
         if regen is not None and regen.get("reason") == "regenerated":
             reason = f"{reason}; {regen.get('text', '').split(': ', 1)[-1]}"
         return state, reason, ending.get("time")
+    if alive is False and target and target.get("state") in RECORD_ENDS:
+        # No end event of its own (a full disk took the events file, or it was killed before
+        # its supervisor ran): the run record says how it ended, as status does.
+        return target["state"], target.get("exit_reason"), None
     crash = next((e for e in reversed(events) if e.get("event") == "crash"), None)
     if crash is not None or (events and alive is False):
         return (
@@ -147,7 +157,11 @@ def run_rows(ledger, histories, alive_by_host=None, run=None, now=None) -> list[
         pid = record.get("pid")
         events = [e for e in (entry or {}).get("events") or [] if str(e.get("pid")) == str(pid)]
         alive = ((alive_by_host or {}).get(host) or {}).get(str(pid))
-        state, reason, ended = state_of(record, events, alive)
+        # The output's run record, where it is this launch's (its newest start).
+        target = (entry or {}).get("record") or None
+        if not target or target.get("run_id") != record.get("run_id"):
+            target = None
+        state, reason, ended = state_of(record, events, alive, target)
         started = parse_time(record.get("started_at"))
         finish = parse_time(ended) or (now if state in ("running", "recovered") and alive else None)
         # A later launch on the same output shares its metrics: they describe this launch only
@@ -159,10 +173,19 @@ def run_rows(ledger, histories, alive_by_host=None, run=None, now=None) -> list[
             and (r.get("started_at") or "") > (record.get("started_at") or "")
             for r in ledger
         )
-        metrics = entry if entry and newest else {}
+        # A start that trained no step of its own (a data-only regeneration, a resume that failed
+        # before its first step) has none of the output's figures: they are an earlier start's.
+        trained = not (target and (target.get("data_only") or target.get("trained") is False))
+        metrics = entry if entry and newest and trained else {}
         # Without the metrics, the step and tau of the launch's own end; a start event's are where
         # it began (the previous launch's), nothing this launch reached.
         last_event = next((e for e in reversed(events) if e.get("event") in END_EVENTS), {})
+        step = metrics.get("last_step", last_event.get("step"))
+        if metrics:
+            stretches = metrics.get("stretches") or []
+        else:
+            # An earlier start of the output: the stretch it ended in (none where it reached no step).
+            stretches = stretch_at((entry or {}).get("stretches"), step if trained else None)
         rows.append(
             {
                 "run": record.get("run"),
@@ -172,10 +195,10 @@ def run_rows(ledger, histories, alive_by_host=None, run=None, now=None) -> list[
                 "state": state,
                 "started": record.get("started_at"),
                 "duration_s": (finish - started).total_seconds() if started and finish else None,
-                "step": metrics.get("last_step", last_event.get("step")),
+                "step": step,
                 "total_steps": metrics.get("total_steps"),
                 # The run record's stretches (each start on another worker count or topology).
-                "stretches": metrics.get("stretches") or [],
+                "stretches": stretches,
                 "last_loss": metrics.get("last_loss"),
                 "best_tau": metrics.get("best_tau"),
                 "last_tau": metrics.get("last_tau", last_event.get("tau")),
@@ -193,6 +216,18 @@ def run_rows(ledger, histories, alive_by_host=None, run=None, now=None) -> list[
         )
     rows.sort(key=lambda row: row["started"] or "", reverse=True)
     return rows
+
+
+def stretch_at(stretches, step) -> list[dict]:
+    """[the stretch of the run that `step` lies in], or [] where the step or the stretches are unknown."""
+    if not isinstance(step, int) or isinstance(step, bool):
+        return []
+    found = [
+        s
+        for s in stretches or []
+        if isinstance(s, dict) and isinstance(s.get("from_step"), int) and s["from_step"] <= step
+    ]
+    return found[-1:]
 
 
 def ledger_restarts(rows) -> list[dict]:
@@ -229,10 +264,11 @@ def fixed(value, digits: int) -> str:
 
 def workers_cell(stretches) -> str:
     """The worker count of each stretch of a run, oldest first: `2`, or `8>7` for a run that resumed
-    on 7 workers; `-` where the record has none."""
+    on 7 workers; blank where nothing tells (a start that trained no step, a record without
+    stretches): a dash would read as a count."""
     counts = [str(s.get("workers")) for s in stretches or [] if isinstance(s, dict)]
     counts = [count for count in counts if count.isdigit()]
-    return ">".join(counts) or "-"
+    return ">".join(counts)
 
 
 def run_table(rows, limit: int = 20) -> list[str]:

@@ -8,6 +8,7 @@ recorded at launch.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -20,7 +21,11 @@ from ansible_collections.dflash.ct200.plugins.module_utils.run_record import (
     checkpoints,
     last_metrics,
     lock_holder,
+    lock_path,
     read_record,
+    record_problems,
+    sound_fields,
+    utc_now,
     write_record,
 )
 
@@ -201,8 +206,12 @@ def exit_from_log(lines: list[str]) -> dict:
 
 
 def describe_exit(verdict: dict) -> str:
-    """`2 (bad input: ...)`, or that the log does not tell, for messages."""
+    """`2 (bad input: ...)`, or that the status is unknown and what is known (`killed: ...` from
+    the run record), else that the log does not tell, for messages."""
     if verdict.get("exit_status") is None:
+        reason = verdict.get("exit_reason")
+        if reason and not str(reason).startswith("unknown"):
+            return f"unknown ({reason})"
         return "unknown (the log does not say)"
     return f"{verdict['exit_status']} ({verdict['exit_reason']})"
 
@@ -262,12 +271,15 @@ def _started_at(start_ticks: int) -> str | None:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
 
 
-def rebuilt_record(out, holder: int) -> dict | None:
-    """The run record of a live trainer whose record was lost (<out>/run.json deleted), rebuilt
-    from what the target knows: the lock holder's process (start time, command line, the run id in
-    its environment, the log its stdout goes to) and the output's config.yml. Written back to
-    <out>/run.json, so that the trainer notes its end there again. None where the holder is not a
-    trainer of this output."""
+LOST = "the run record was lost; rebuilt from the process that holds the output's lock"
+
+
+def rebuilt_record(out, holder: int, kept: dict | None = None, why: str = LOST) -> dict | None:
+    """The run record of a live trainer whose record was lost (<out>/run.json deleted) or damaged
+    (`kept`: its sound fields), rebuilt from what the target knows: the lock holder's process
+    (start time, command line, the run id in its environment, the log its stdout goes to) and the
+    output's config.yml. Written back to <out>/run.json, so that the trainer notes its end there
+    again. None where the holder is not a trainer of this output."""
     stat = read_stat(holder)
     run = Path(out).name
     cmdline = read_cmdline(holder)
@@ -297,38 +309,82 @@ def rebuilt_record(out, holder: int) -> dict | None:
         "steps": run_steps(str(out)),
         "cmdline": cmdline,
         "state": "running",
-        "rebuilt": "the run record was lost; rebuilt from the process that holds the output's lock",
     }
+    record = {**(kept or {}), **{key: value for key, value in record.items() if value is not None}}
+    record["rebuilt"] = why
+    if kept and kept.get("run_id"):
+        record["run_id"] = kept["run_id"]
     with contextlib.suppress(OSError):  # reported all the same: the lock says it runs
         write_record(out, record)
     return record
 
 
+def damage_text(problems: dict) -> str:
+    return f"the run record was damaged ({'; '.join(problems.values())})"
+
+
+def closed_record(out, record: dict, problems: dict) -> dict:
+    """The record of a run whose process is gone, closed with what is known, and written back
+    (whoever first sees it dead closes it: status, stop, a launch). A record still saying running
+    was killed (the process that ends a run closes its record first): `crashed`, exit status
+    unknown. A damaged record keeps its sound fields. The output's lock is taken for the write, so
+    that a start writing its own record at that instant is never overwritten; where a start holds
+    it, nothing is written."""
+    closed = sound_fields(record)
+    damage = damage_text(problems)
+    if problems:
+        closed["repaired"] = f"{damage}; repaired by the controller, no process holds the output"
+    if closed.get("state", "running") == "running":
+        reason = f"unknown: {damage} and its process is gone" if problems else KILLED_REASON
+        closed.update(state="crashed", exit_status=None, exit_reason=reason, closed_at=utc_now())
+    try:
+        fd = os.open(lock_path(out), os.O_RDWR | os.O_CREAT, 0o640)
+    except OSError:
+        return closed  # reported all the same; the next look tries again
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if read_record(out) == record:
+            write_record(out, closed)
+    except OSError:
+        pass  # a start holds the lock now, or the disk refuses: the record is left as it is
+    finally:
+        os.close(fd)
+    return closed
+
+
 def target_run(out) -> dict | None:
     """One output's record with what the target says now: live (its lock is held by our trainer),
     the state for the controller's record and the exit as the record tells it. A live lock holder
-    whose record was lost gets its record rebuilt (rebuilt_record): the lock is the last word."""
+    whose record was lost or damaged (wrong types) gets its record rebuilt (rebuilt_record): the
+    lock is the last word. A run whose process is gone and whose record still says running, or is
+    damaged, gets its record closed (closed_record): only documented states leave here."""
     record = read_record(out)
     holder = lock_holder(out)
-    if (record is None or not record.get("run_id")) and holder:
-        record = rebuilt_record(out, holder)
-    if record is None or not record.get("run_id"):
+    problems = record_problems(record) if record is not None else {}
+    if (record is None or problems or not record.get("run_id")) and holder:
+        kept = sound_fields(record) if record is not None else None
+        rebuilt = rebuilt_record(out, holder, kept, damage_text(problems) if problems else LOST)
+        if rebuilt is not None:
+            record, problems = rebuilt, {}
+    if record is None or not record.get("run_id") or "run_id" in problems:
         return None
-    now = probe(record.get("pid"), record.get("start_time"), record.get("boot_id"), record.get("run"))
+    if "pid" in problems:
+        now = {"state": "exited", "alive": False, "pid": None, "cmdline": []}
+    else:
+        now = probe(record.get("pid"), record.get("start_time"), record.get("boot_id"), record.get("run"))
     # The recorded PID with its start time, boot id and command line is the run's own process, alive:
     # live, whatever /proc/locks shows (inside some containers it lists no holder for a held lock).
     live = now["state"] == "running"
     if holder and not live and holder != record.get("pid"):
         # Held by a start that has not written its record yet: the holder is the run to see.
         live, now = True, {"state": "running", "alive": True, "pid": holder}
-    recorded_state = record.get("state", "running")
+    if not live and (problems or record.get("state", "running") not in ENDED_STATES):
+        record = closed_record(out, record, problems)
     if live:
         state, exit_info = "running", {}
-    elif recorded_state in ENDED_STATES:
-        state = ENDED_STATES[recorded_state]
-        exit_info = {"exit_status": record.get("exit_status"), "exit_reason": record.get("exit_reason")}
     else:
-        state, exit_info = "exited", {"exit_status": None, "exit_reason": KILLED_REASON}
+        state = ENDED_STATES[record["state"]]
+        exit_info = {"exit_status": record.get("exit_status"), "exit_reason": record.get("exit_reason")}
     return {"record": record, "live": live, "holder": holder, "probe": now, "state": state, **exit_info}
 
 

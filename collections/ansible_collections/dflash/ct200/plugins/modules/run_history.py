@@ -14,7 +14,9 @@ description:
     rows) and C(config.yml) (the step count), and returns a summary per run - last step and total,
     last loss, best and last tau, tokens per second, the events - and, with O(points), the loss,
     tau and tokens/s series (evenly thinned to at most that many points), and from C(run.json) the
-    run's stretches (from which step, how many workers, which topology, how many hosts).
+    run's stretches (from which step, how many workers, which topology, how many hosts) and its
+    newest start (C(record): run_id, state, exit_status, exit_reason, data_only, and C(trained),
+    whether metrics.jsonl holds a training row of that start, after the record's C(metrics_from)).
   - Changes nothing; a missing or half-written file is read as far as it goes.
 options:
   outs:
@@ -58,6 +60,7 @@ alive:
   returned: always
 """
 
+import json
 import os
 
 from ansible.module_utils.basic import AnsibleModule
@@ -98,6 +101,43 @@ def current_rows(metrics: list[dict], kind: str, valid=lambda row: True) -> list
     return rows
 
 
+def trained_since(out: str, offset) -> bool | None:
+    """Whether metrics.jsonl holds a training row after `offset` (the run record's metrics_from:
+    where the newest start's rows begin); None where the record does not say."""
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        return None
+    try:
+        with open(os.path.join(out, "metrics.jsonl"), "rb") as handle:
+            handle.seek(offset)
+            chunk = handle.read(256 * 1024)
+    except OSError:
+        return False
+    for line in chunk.decode("utf-8", "replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("kind") == "train":
+            return True
+    return False
+
+
+def newest_start(out: str) -> dict | None:
+    """The newest start of an output as its run record tells it: its run id, how it ended (state,
+    exit status and reason), whether it only prepared data, and whether it trained a step."""
+    record = read_record(out)
+    if not record or not isinstance(record.get("run_id"), str):
+        return None
+    return {
+        "run_id": record["run_id"],
+        "state": record.get("state"),
+        "exit_status": record.get("exit_status"),
+        "exit_reason": record.get("exit_reason"),
+        "data_only": "--data-only" in (record.get("cmdline") or []),
+        "trained": trained_since(out, record.get("metrics_from")),
+    }
+
+
 def summarize(out: str, points: int) -> dict:
     metrics = jsonl_rows(os.path.join(out, "metrics.jsonl"))
     train_rows = current_rows(metrics, "train")
@@ -118,6 +158,7 @@ def summarize(out: str, points: int) -> dict:
         "last_tau": eval_rows[-1]["tau"] if eval_rows else None,
         "events": [event for event in events if "event" in event],
         "stretches": stretches_of(out),
+        "record": newest_start(out),
     }
     if points:
         result["series"] = {

@@ -96,6 +96,19 @@ options:
   wait_for:
     description: A regular expression; wait until a log line matches it.
     type: str
+  wait_what:
+    description:
+      - What O(wait_for) waits for, in words (C(its first progress line)), for the messages; without
+        it they name the regular expression.
+    type: str
+  wait_stage:
+    description:
+      - With O(wait_for), a matching line counts only once the run record's C(stage) is one of these
+        (the data stage has passed its checks and begun, C(regenerating)), or the trainer has ended
+        with exit status 0; a start refused after its first line fails the wait with its own reason.
+    type: list
+    elements: str
+    default: []
   timeout:
     description: Seconds to wait for O(wait_for).
     type: float
@@ -277,6 +290,12 @@ exit_reason:
   description: What the exit status means, or why it is unknown.
   type: str
   returned: when the trainer has exited
+run_state:
+  description:
+    - How the run ended, in the documented states (finished, stopped, failed, crashed): its run
+      record's, else as the exit status tells (unknown is C(crashed): killed).
+  type: str
+  returned: when the trainer has exited
 """
 
 import datetime
@@ -389,7 +408,7 @@ def disk_refusal(path: str, free: float, min_free_mib: int, checkpoint_mib: floa
             f"{checkpoint_mib:.1f} MiB (the output's newest; train.keep_checkpoints decides how many a "
             f"run holds at once); preflight_min_free_mib={min_free_mib} is below that, so lowering it "
             "does not help. Free space there (a resume needs only the newest checkpoint), keep fewer "
-            "(workspace_trainer_set: [\"train.keep_checkpoints=N\"] in the inventory), or give the run an "
+            '(workspace_trainer_set: ["train.keep_checkpoints=N"] in the inventory), or give the run an '
             "output on a larger disk"
         )
     sized = f"; a checkpoint of this run takes {checkpoint_mib:.1f} MiB" if checkpoint_mib else ""
@@ -468,16 +487,35 @@ def with_cached_output(runs: list[dict], recorded: dict | None) -> list[dict]:
     return sorted([*runs, cached], key=lambda run: str(run["record"].get("started_at", "")), reverse=True)
 
 
+def recorded_run(recorded: dict | None) -> dict | None:
+    """The target's run (target_run) of the cached record, or None where its output holds another."""
+    out = recorded.get("out") if isinstance(recorded, dict) else None
+    run = target_run(out) if isinstance(out, str) and out else None
+    if run is None or run["record"].get("run_id") != recorded.get("run_id"):
+        return None
+    return run
+
+
 def recorded_exit(recorded: dict | None) -> dict | None:
     """How the recorded run ended as its run record says (the one source every view reads:
     docs/OPERATING.md), or None where the record does not say (killed, or no record)."""
-    out = recorded.get("out") if isinstance(recorded, dict) else None
-    run = target_run(out) if isinstance(out, str) and out else None
-    if run is None or run["record"].get("run_id") != recorded.get("run_id") or run["live"]:
+    run = recorded_run(recorded)
+    if run is None or run["live"] or run.get("exit_status") is None:
         return None
-    if run.get("exit_status") is None:
-        return None
-    return {"exit_status": run["exit_status"], "exit_reason": run["exit_reason"]}
+    return {"exit_status": run["exit_status"], "exit_reason": run["exit_reason"], "run_state": run["state"]}
+
+
+RUN_ENDS = ("finished", "stopped", "failed", "crashed")
+
+
+def run_state_of(verdict: dict) -> str:
+    """The documented end state of an exit that its record does not state: as the status tells."""
+    if verdict.get("run_state") in RUN_ENDS:
+        return verdict["run_state"]
+    status, reason = verdict.get("exit_status"), str(verdict.get("exit_reason") or "")
+    if status == 0:
+        return "stopped" if reason.startswith("stopped") else "finished"
+    return "failed" if status == 2 else "crashed"
 
 
 def report(module: AnsibleModule) -> dict:
@@ -490,20 +528,48 @@ def report(module: AnsibleModule) -> dict:
     result["log_tail"] = log_tail
     result["last_progress"] = last_matching(params["log"], PROGRESS_RE)
     result["last_eval"] = last_tau(params["metrics"]) or last_tau_in_log(params["log"])
-    if result["state"] == "exited":
-        result.update(recorded_exit(params["recorded"]) or exit_from_log(tail(params["log"], VERDICT_LINES)))
+    if result["state"] in ("exited", "not_ours"):
+        ended = recorded_exit(params["recorded"])
+        if ended is None:
+            ended = exit_from_log(tail(params["log"], VERDICT_LINES))
+            run = recorded_run(params["recorded"])
+            if ended["exit_status"] is None and run is not None and not run["live"]:
+                ended.update(exit_reason=run["exit_reason"], run_state=run["state"])
+        ended["run_state"] = run_state_of(ended)
+        result.update(ended)
     return result
+
+
+def stage_reached(module: AnsibleModule) -> bool:
+    """Whether the run record's stage is one of O(wait_stage) (always, without it)."""
+    wanted = module.params["wait_stage"]
+    if not wanted:
+        return True
+    run = recorded_run(module.params["recorded"])
+    return run is not None and run["record"].get("stage") in wanted
+
+
+def ended_text(pid, what: str, result: dict) -> str:
+    """How the trainer ended before what the wait waited for, in words, for the launch's message."""
+    state = result.get("run_state") or run_state_of(result)
+    shown = describe_exit(result)
+    if state == "stopped":
+        return f"the trainer (PID {pid}) was stopped before {what} (exit status: {shown}); the run is stopped"
+    if state == "finished":
+        return f"the trainer (PID {pid}) finished before {what} (exit status: {shown})"
+    return f"the trainer (PID {pid}) ended before {what}: {state}, exit status: {shown}"
 
 
 def wait(module: AnsibleModule, pattern: re.Pattern[str]) -> dict:
     params = module.params
+    what = params["wait_what"] or f"a line matching {pattern.pattern!r}"
     started = time.monotonic()
     deadline = started + params["timeout"]
     while True:
         result = report(module)
         lines = tail(params["log"], 2000)
         matched = next((line for line in lines if pattern.search(line)), None)
-        if matched and result["state"] == "running":
+        if matched and result["state"] == "running" and stage_reached(module):
             result["matched"] = matched
             result["waited_s"] = round(time.monotonic() - started, 2)
             return result
@@ -511,28 +577,25 @@ def wait(module: AnsibleModule, pattern: re.Pattern[str]) -> dict:
             time.sleep(POLL_S)  # let an exiting trainer's last lines reach the log
             result = report(module)
             matched = next((line for line in tail(params["log"], 2000) if pattern.search(line)), None)
-            if matched and result.get("exit_status") == 0:
+            if matched and result.get("exit_status") == 0 and result.get("run_state") == "finished":
                 # A short run (a data-only regeneration whose cache holds the data) may end cleanly
                 # before a poll sees it run: it logged the line and ended well.
                 result["matched"] = matched
                 result["waited_s"] = round(time.monotonic() - started, 2)
                 return result
-            shown = describe_exit(result)
             module.fail_json(
                 msg=(
-                    f"the trainer (PID {params['pid']}) is {result['state'].replace('_', ' ')} before "
-                    f"logging a line matching {pattern.pattern!r}; exit status: {shown}. "
-                    f"Last lines of {params['log']}:\n" + "\n".join(result["log_tail"])
+                    f"{ended_text(params['pid'], what, result)}. Last lines of {params['log']}:\n"
+                    + "\n".join(result["log_tail"])
                 ),
                 **result,
             )
         if time.monotonic() >= deadline:
             module.fail_json(
                 msg=(
-                    f"the trainer (PID {params['pid']}) is alive but logged no line matching "
-                    f"{pattern.pattern!r} within {params['timeout']:.0f} s (it keeps running; stop it with "
-                    f"./dev.sh stop or raise run_wait_timeout). Last lines of {params['log']}:\n"
-                    + "\n".join(result["log_tail"])
+                    f"the trainer (PID {params['pid']}) runs but has not reached {what} within "
+                    f"{params['timeout']:.0f} s (it keeps running; stop it with ./dev.sh stop or raise "
+                    f"run_wait_timeout). Last lines of {params['log']}:\n" + "\n".join(result["log_tail"])
                 ),
                 **result,
             )
@@ -550,6 +613,8 @@ def main() -> None:
             "metrics": {"type": "path"},
             "tail_lines": {"type": "int", "default": 20},
             "wait_for": {"type": "str"},
+            "wait_what": {"type": "str"},
+            "wait_stage": {"type": "list", "elements": "str", "default": []},
             "gpus": {"type": "bool", "default": False},
             "max_memory_mib": {"type": "int", "default": 1024},
             "max_utilization_pct": {"type": "int", "default": 5},

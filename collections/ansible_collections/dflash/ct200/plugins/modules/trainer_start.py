@@ -112,6 +112,13 @@ cmdline:
   type: list
   elements: str
   returned: success
+run_state:
+  description:
+    - How a trainer that ended during the start ended, in the documented states (its run record's:
+      failed, stopped, crashed, finished; else as the exit status the log tells: 1 C(crashed),
+      0 C(finished), otherwise C(failed), the start having failed).
+  type: str
+  returned: when the trainer ended during the start
 """
 
 import fcntl
@@ -136,6 +143,7 @@ from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     probe,
     read_stat,
     tail,
+    target_run,
 )
 
 POLL_S = 0.05
@@ -196,6 +204,21 @@ def recorded(out: str | None, pid: int) -> dict | None:
         return None
     record = read_record(out)
     return record if record and record.get("pid") == pid else None
+
+
+def ended_at_start(out: str | None, pid: int, log: str) -> dict:
+    """How a trainer that ended during the start ended: its run record's state and reason (closed
+    by target_run where it still said running), else what the log tells."""
+    verdict = exit_from_log(tail(log, VERDICT_LINES))
+    run = target_run(out) if out else None
+    if run is not None and run["record"].get("pid") == pid and not run["live"]:
+        if run.get("exit_status") is not None or verdict["exit_status"] is None:
+            verdict = {"exit_status": run.get("exit_status"), "exit_reason": run.get("exit_reason")}
+        return {**verdict, "run_state": run["state"]}
+    # No record of its own: a crash where the log says so (exit status 1), else a start that failed.
+    status = verdict["exit_status"]
+    state = "finished" if status == 0 else "crashed" if status == 1 else "failed"
+    return {**verdict, "run_state": state}
 
 
 def main() -> None:
@@ -267,10 +290,12 @@ def main() -> None:
     if not alive or not current["alive"] or not is_trainer_cmdline(current["cmdline"], params["run"]):
         time.sleep(0.2)  # let an exiting trainer's last lines reach the log
         log_tail = tail(params["log"], params["tail_lines"])
+        ended = {}
         if alive:
             what = "is not the trainer: " + (" ".join(current["cmdline"]) or "(empty command line)")
         else:
-            what = f"exited; exit status: {describe_exit(exit_from_log(tail(params['log'], VERDICT_LINES)))}"
+            ended = ended_at_start(params["out"], pid, params["log"])
+            what = f"exited; exit status: {describe_exit(ended)}"
         module.fail_json(
             msg=(
                 f"{params['script']} started as PID {pid} (run {params['run']}) but it {what}. "
@@ -279,6 +304,7 @@ def main() -> None:
             changed=True,
             pid=pid,
             boot_id=current.get("boot_id"),
+            **({"run_state": ended["run_state"]} if ended else {}),
         )
     module.exit_json(
         changed=True,
