@@ -40,7 +40,7 @@ from ..parallel.replica import Replica, StepLoss
 from ..parallel.sharding import wait_for_parameters
 from ..parallel.topology import ThreadedTopology, ThreadedWorld
 from . import runrecord
-from .checkpoint import HostStaging, prune_checkpoints, save_checkpoint
+from .checkpoint import CheckpointWriter, HostStaging, Written, prune_checkpoints
 from .environment import resolve_devices
 from .flops import FlopShape, peak_flops, squared_conversation_lengths
 from .recompiles import RecompileWatch
@@ -159,7 +159,7 @@ def run_training(cfg: Config, out_dir: Path, resume: bool, place: Placement) -> 
     out = open_output(cfg, out_dir, writes_files=world.is_lead, prints_lines=world.local_rank == 0)
     stop = StopFlag()
     stop.install()
-    topology = None
+    topology = run = None
     try:
         out.line(describe_run(cfg, out_dir, place))
         if resume and resume_from is None:
@@ -178,6 +178,8 @@ def run_training(cfg: Config, out_dir: Path, resume: bool, place: Placement) -> 
         resume_from = None  # the state's tensors are in the model now: drop the copy
         return training_loop(run, step)
     finally:
+        if run is not None:
+            run.close_checkpoints()
         if topology is not None:
             topology.close()
         out.close(stopped=stop())
@@ -354,7 +356,12 @@ class Run:
         self.new_best = False  # the evaluation of this step gave the best tau so far
         self.last_save = time.monotonic()  # for train.checkpoint_every_s
         self.stretches: list[dict] = []
-        self.staging = HostStaging()  # rank 0's host copy of a checkpoint, reused by the next one
+        # Rank 0's host copy of a checkpoint, reused by the next one; written in the background
+        # (train.async_checkpoints), a copy of every tensor, the host's too: training changes them.
+        background = cfg.train.async_checkpoints
+        self.staging = HostStaging(host_too=background)
+        self.writer = CheckpointWriter(self.staging, background)
+        self.announcement: tuple[int, str, str] | None = None  # rank 0's last checkpoint written
 
     def restore(self, resume_from: ResumePoint | None, shape: Shape) -> int:
         """The step to start from: 0, or the checkpoint's (its state restored everywhere, on this
@@ -416,36 +423,86 @@ class Run:
             state["optimizer"] = first.optimizer.state_dict()
         self.staging.prepare(state)
 
-    def save(self, step: int) -> None:
-        """A checkpoint of this step, written by rank 0 (a collective in the process topology).
+    def save(self, step: int, final: bool = False) -> None:
+        """A checkpoint of this step, written by rank 0 (a collective in the process topology):
+        training waits for the host copy, the write goes on in the background (train.async_checkpoints)
+        and is reported once it is on disk (`collect_checkpoint`); `final` (a stop, the last step)
+        waits for it. The write before it is waited for first: the copy goes into its buffers.
         Weights that are no longer finite are never written: the newest checkpoint stays the last
         finite one."""
+        began = time.perf_counter()
         finite = all(bool(torch.isfinite(p).all()) for p in self.models.replicas[0].params)
         if self.world.any(not finite):
             self.diverged(step, "the drafter's weights are not finite")
-        began = time.monotonic()
+        writer = self.world.is_lead
+        if writer:
+            self.report(self.writer.wait())
+        self.announce()  # the ranks wait here for rank 0's write before: none races into its buffers
         state = checkpoint_state(
             step, self.cfg, self.topology, self.loader, self.tau0, self.stretches, self.tau0_step
         )
-        writer = self.world.is_lead
-        path = None
         if writer:
-            path = save_checkpoint(self.out_dir / "checkpoints", step, self.staging.to_host(state))
-            if self.staging.declined:
-                self.out.line(f"checkpoint step {step}: written without a host copy: {self.staging.declined}")
+            self.writer.start(self.out_dir / "checkpoints", step, state, began)
+        del state  # the live tensors' references: the writer holds its copy
         self.last_save = time.monotonic()
-        if writer:
-            self.out.line(f"checkpoint saved step {step} {path}")
-            runrecord.note(self.out_dir, last_step=step, last_checkpoint=str(path))
-            self.out.line(self.keep_checkpoints(step, path.stat().st_size, self.last_save - began))
-        if self.world.world_size > 1:
-            # The other hosts log where rank 0 put it once it is there (stop.yml reports that line
-            # on every host); rank 0's file is the run's only checkpoint.
-            host, saved = self.world.gather((socket.gethostname(), str(path)) if writer else None)[0]
-            if not writer:
-                self.out.line(f"checkpoint saved step {step} by rank 0 on {host}: {saved}")
+        if final or not self.cfg.train.async_checkpoints:
+            if writer:
+                self.report(self.writer.wait(), final=final)
+            self.announce()
 
-    def keep_checkpoints(self, step: int, size: int, seconds: float) -> str:
+    def save_final(self, step: int) -> None:
+        self.save(step, final=True)
+
+    def collect_checkpoint(self) -> None:
+        """Report rank 0's background write if it has ended since (never waits for it)."""
+        if self.world.is_lead:
+            self.report(self.writer.poll())
+
+    def close_checkpoints(self) -> None:
+        """On the way out of a run that raised: wait for rank 0's write in flight, say what became of it."""
+        if not self.world.is_lead:
+            return
+        try:
+            written = self.writer.wait()
+        except Exception as exc:  # the writer's own fault, beside the one that ends the run
+            self.out.line(f"checkpoint step {self.writer.last_step} not saved: {type(exc).__name__}: {exc}")
+            return
+        self.report(written, then="")
+
+    def report(self, written: Written | None, final: bool = False, then: str | None = None) -> None:
+        """Rank 0's lines and run record for a checkpoint whose write has ended; the older ones
+        pruned once it is on disk. A write that failed (a full disk, say) loses that checkpoint only:
+        training goes on and the next one tries again; at a stop or the end it ends the run."""
+        if written is None:
+            return
+        step = written.step
+        if written.unstaged:
+            self.out.line(f"checkpoint step {step}: written without a host copy: {written.unstaged}")
+        if written.error is not None:
+            runrecord.note(self.out_dir, checkpoint_lost={"step": step, "reason": str(written.error)})
+            if final:
+                raise written.error
+            if then is None:
+                then = "; training goes on, and the next checkpoint tries again"
+            self.out.line(f"checkpoint step {step} not saved: {written.error}{then}")
+            return
+        self.out.line(f"checkpoint saved step {step} {written.path}")
+        runrecord.note(self.out_dir, last_step=step, last_checkpoint=str(written.path), checkpoint_lost=None)
+        self.out.line(self.keep_checkpoints(written))
+        self.announcement = (step, socket.gethostname(), str(written.path))
+
+    def announce(self) -> None:
+        """A collective of several ranks: the others log where rank 0 put its last checkpoint once
+        it is on disk (stop.yml reports that line on every host); rank 0's file is the run's only one."""
+        announced, self.announcement = self.announcement, None
+        if self.world.world_size == 1:
+            return
+        note = self.world.gather(announced if self.world.is_lead else None)[0]
+        if note is not None and not self.world.is_lead:
+            step, host, saved = note
+            self.out.line(f"checkpoint saved step {step} by rank 0 on {host}: {saved}")
+
+    def keep_checkpoints(self, written: Written) -> str:
         """Remove the checkpoints train.keep_checkpoints lets go (the new one is complete on disk);
         one line for the log: what the checkpoint cost, and what is kept."""
         directory = self.out_dir / "checkpoints"
@@ -456,7 +513,10 @@ class Run:
         protected = {best} if best is not None else set()
         removed = prune_checkpoints(directory, self.cfg.train.keep_checkpoints, protected)
         kept = ", ".join(str(saved_step) for saved_step in saved if saved_step not in removed)
-        line = f"checkpoint step {step}: {size / 2**30:.2f} GiB written in {seconds:.1f} s; kept steps {kept}"
+        line = (
+            f"checkpoint step {written.step}: training paused {written.paused_s:.2f} s; "
+            f"{written.size / 2**30:.2f} GiB written in {written.write_s:.1f} s; kept steps {kept}"
+        )
         if best is not None:
             line += f" (best tau {taus[best]:.3f} at step {best})"
         return line + (f"; removed steps {', '.join(map(str, removed))}" if removed else "")
@@ -621,13 +681,14 @@ def training_loop(run: Run, step: int) -> int:
     if run.tau0 is None and initial is None:  # a resumed run whose step-0 evaluation did not finish
         run.tau0, run.tau0_step = run.evaluate(step), step
         if run.tau0 is None:
-            return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
+            return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save_final)
     run.tau = run.tau if run.tau is not None else run.tau0
     meter = Throughput(total, run.gpus, peak_flops(run.models.replicas[0].device))
     started = step
     while step < total:
+        run.collect_checkpoint()
         if run.world.any(run.stop()):
-            return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
+            return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save_final)
         loss, batch, _ = train_step(run.topology, run.loader)
         step += 1
         meter.add(count_batch(batch, cfg.drafter.num_anchors, run.flop_shape))
@@ -649,13 +710,13 @@ def training_loop(run: Run, step: int) -> int:
         if initial is not None:
             run.tau0, initial = run.evaluate(0, weights=initial), None
             if run.tau0 is None:
-                return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
+                return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save_final)
             run.tau = run.tau if run.tau is not None else run.tau0
         run.new_best = False
         if (step == total or every(step, cfg.train.eval_every)) and run.evaluate(step) is None:
-            return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
+            return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save_final)
         if saves or (run.new_best and cfg.train.keep_checkpoints):
-            run.save(step)
+            run.save(step, final=step == total)
     return run.finish(step)
 
 
