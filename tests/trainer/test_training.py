@@ -163,6 +163,48 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
     assert _losses(interrupted) == expected  # bit-for-bit the same losses at every step
 
 
+def test_a_kill_9_after_a_background_checkpoint_resumes_bit_exact(tmp_path, cache_dir):
+    """The periodic checkpoints are written in the background while training goes on; one of them,
+    resumed after a kill -9, gives the uninterrupted run's losses bit for bit."""
+    common = [
+        "--run", "eager", "--steps", "16", "--seed", "5", "--set", f"data.cache_dir={cache_dir}",
+        "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "train.checkpoint_every=4",
+        "--set", "train.keep_checkpoints=0", *FAST,
+    ]  # fmt: skip
+    straight = tmp_path / "straight"
+    result = run_trainer(*common, "--out", str(straight))
+    assert result.returncode == 0, result.stderr
+    cost = r"^checkpoint step 4: training paused [0-9.]+ s; [0-9.]+ GiB written in "
+    assert re.search(cost, result.stdout, re.M)
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainer", *common, "--out", str(killed)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        log = killed / "train.log"
+        while time.monotonic() < deadline and process.poll() is None:
+            if log.exists() and "checkpoint saved step 8 " in log.read_text():
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, "the run ended before it could be killed"
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    saved = max(int(path.name[5:13]) for path in (killed / "checkpoints").glob("step_*.pt"))
+    assert 8 <= saved < 16
+
+    resumed = run_trainer(*common, "--out", str(killed), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"at step {saved}" in resumed.stdout
+    assert _losses(killed) == _losses(straight)  # the last row of each step: bit for bit
+
+
 def test_worker_failure_stops_the_run(tmp_path, cache_dir, monkeypatch, capsys):
     from trainer.parallel.replica import Replica
 
