@@ -20,6 +20,7 @@ import torch
 from trainer.cli import main
 
 from .conftest import REPO, run_trainer
+from .test_startup import parts_of
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +113,9 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
         *FAST,
     ]
     straight = tmp_path / "straight"
+    launched = time.monotonic()
     result = run_trainer(*common, "--out", str(straight))
+    wall = time.monotonic() - launched
     assert result.returncode == 0, result.stderr
     packed = re.search(
         r"^data: (\d+) training conversations in (\d+) rows of 320 tokens \(packed", result.stdout, re.M
@@ -161,6 +164,15 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
     expected = _losses(straight)
     assert len(expected) == 24
     assert _losses(interrupted) == expected  # bit-for-bit the same losses at every step
+
+    # Each start says where its time went before its first step; the parts add up to the total.
+    for output, kind in ((result.stdout, "a start"), (resumed.stdout, "a resume")):
+        total, said, parts = parts_of(next(x for x in output.splitlines() if x.startswith("startup: ")))
+        assert said == kind and total < wall
+        assert sum(parts.values()) == pytest.approx(total, rel=0.05)
+        assert parts["imports and config"] > 0 and parts["target load"] > 0 and parts["first step"] > 0
+        assert parts["other"] < 0.2 * total, parts
+    assert "checkpoint read" in parts and "state restore" in parts
 
 
 def test_a_kill_9_after_a_background_checkpoint_resumes_bit_exact(tmp_path, cache_dir):

@@ -57,6 +57,8 @@ from .resume import (
     this_shape,
 )
 from .sinks import Output, open_output
+from .startup import StartupClock
+from .startup import describe as describe_startup
 
 __all__ = ["BadInput", "Diverged", "train"]  # the command line turns both into exit status 2
 
@@ -142,20 +144,30 @@ def place_workers(cfg: Config) -> Placement:
     return Placement(devices, world, len(devices), this_shape(cfg, len(devices), world))
 
 
-def train(cfg: Config, out_dir: Path, resume: bool) -> int:
-    """Run training to the end or to a signal. Returns the exit code."""
-    place = place_workers(cfg)
+def train(cfg: Config, out_dir: Path, resume: bool, began: float | None = None) -> int:
+    """Run training to the end or to a signal. Returns the exit code. `began`: time.perf_counter()
+    at the trainer's entry, where the startup breakdown counts from (this call otherwise)."""
+    clock = StartupClock(time.perf_counter() if began is None else began)
+    clock.add("imports and config", time.perf_counter() - clock.began)
+    with clock.part("workers placed"):
+        place = place_workers(cfg)
     try:
-        return run_training(cfg, out_dir, resume, place)
+        return run_training(cfg, out_dir, resume, place, clock)
     finally:
         if sys.exc_info()[0] is None:
             place.world.close()
 
 
-def run_training(cfg: Config, out_dir: Path, resume: bool, place: Placement) -> int:
+def run_training(
+    cfg: Config, out_dir: Path, resume: bool, place: Placement, clock: StartupClock | None = None
+) -> int:
     """The run on this process (threads: the only call; processes: one per rank)."""
     world = place.world
-    resume_from = find_resume_point(cfg, out_dir, world) if resume else None
+    clock = clock or StartupClock(time.perf_counter())
+    resume_from = None
+    if resume:
+        with clock.part("checkpoint read"):
+            resume_from = find_resume_point(cfg, out_dir, world)
     out = open_output(cfg, out_dir, writes_files=world.is_lead, prints_lines=world.local_rank == 0)
     stop = StopFlag()
     stop.install()
@@ -164,17 +176,21 @@ def run_training(cfg: Config, out_dir: Path, resume: bool, place: Placement) -> 
         out.line(describe_run(cfg, out_dir, place))
         if resume and resume_from is None:
             out.line(f"--resume: no checkpoint in {out_dir / 'checkpoints'}; starting from step 0")
-        models = load_models(cfg, place, out)
-        topology = start_topology(cfg, models.replicas, world, out)
+        models = load_models(cfg, place, out, clock)
         # A stop before training: the run stays at its checkpoint's step (0 on a fresh start).
         begun = int(resume_from.state.get("step", 0)) if resume_from is not None else 0
-        if not topology.wait_ready(stop):
+        with clock.part("compile and warm-up"):
+            topology = start_topology(cfg, models.replicas, world, out)
+            ready = topology.wait_ready(stop)
+        if not ready:
             return checkpoint_and_stop(out, stop, world, out_dir, begun)
-        prepared = load_data(cfg, models, place, out, stop)
+        prepared = load_data(cfg, models, place, out, stop, clock)
         if world.any(prepared is None):
             return checkpoint_and_stop(out, stop, world, out_dir, begun)
         run = Run(cfg, out_dir, out, stop, world, topology, models, *prepared, gpus=place.workers)
-        step = run.restore(resume_from, place.shape)
+        run.startup = clock
+        with clock.part("state restore"):
+            step = run.restore(resume_from, place.shape)
         resume_from = None  # the state's tensors are in the model now: drop the copy
         return training_loop(run, step)
     finally:
@@ -213,23 +229,28 @@ def target_and_data_paths(cfg: Config, world: World) -> tuple[Path, Path]:
     return target_path, train_file if cfg.data.train_file else embedded_data
 
 
-def load_models(cfg: Config, place: Placement, out: Output) -> Models:
-    target_path, train_file = target_and_data_paths(cfg, place.world)
-    tokenizer = load_tokenizer(
-        Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else target_path
-    )
+def load_models(cfg: Config, place: Placement, out: Output, clock: StartupClock | None = None) -> Models:
+    clock = clock or StartupClock(time.perf_counter())
+    with clock.part("target load"):
+        target_path, train_file = target_and_data_paths(cfg, place.world)
+        tokenizer = load_tokenizer(
+            Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else target_path
+        )
     mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else tokenizer.mask_token_id
     if mask_id is None:
         raise BadInput("the tokenizer has no mask token; set drafter.mask_token_id to a token id")
-    target = load_target(target_path, place.devices[0], cfg.model.dtype)
+    with clock.part("target load"):
+        target = load_target(target_path, place.devices[0], cfg.model.dtype)
     layer_ids = target_layer_ids(num_target_layers(target.config), cfg.drafter.num_context_layers)
     torch.manual_seed(cfg.train.seed)
     replicas: list[Replica] = []
     for index, device in enumerate(place.devices):
-        device_target = target if index == 0 else load_target(target_path, device, cfg.model.dtype)
+        with clock.part("target load"):
+            device_target = target if index == 0 else load_target(target_path, device, cfg.model.dtype)
         rank = place.world.rank + index  # threads: the worker's index; processes: the rank
         first = replicas[0] if replicas else None  # the other workers copy its weights
-        replicas.append(Replica(cfg, device, device_target, layer_ids, mask_id, rank, copy_of=first))
+        with clock.part("drafter build"):
+            replicas.append(Replica(cfg, device, device_target, layer_ids, mask_id, rank, copy_of=first))
     n_params = sum(p.numel() for p in replicas[0].params)
     out.line(
         f"drafter: {cfg.drafter.num_layers} layers, {n_params / 1e6:.2f}M trainable parameters, "
@@ -251,10 +272,14 @@ def start_topology(cfg: Config, replicas: list[Replica], world: World, out: Outp
     return topology
 
 
-def load_data(cfg: Config, models: Models, place: Placement, out: Output, should_stop):
+def load_data(
+    cfg: Config, models: Models, place: Placement, out: Output, should_stop, clock: StartupClock | None = None
+):
     """(loader, held-out prompts), or None when a stop came during the target's regeneration."""
+    clock = clock or StartupClock(time.perf_counter())
     try:
-        examples = regenerated_examples(cfg, models, place, out, should_stop)
+        with clock.part("data preparation"):
+            examples = regenerated_examples(cfg, models, place, out, should_stop)
     except DataError as exc:  # a broken data file: its message names the file (and the line)
         raise BadInput(
             f'{exc}; data.train_file must hold one {{"messages": [...]}} per line, with an assistant turn'
@@ -269,10 +294,11 @@ def load_data(cfg: Config, models: Models, place: Placement, out: Output, should
     store_root = Path(cfg.data.cache_dir).expanduser() / "store"
     total = len(train_examples) if hasattr(train_examples, "__len__") else None
     try:
-        store = open_or_build(
-            store_root, source_key, chat, lambda: train_examples, out.line, total, should_stop
-        )
-        train_set = build_train_set(store, t.seq_len, pad_id, t.packing, t.seed)
+        with clock.part("data store open and pack"):
+            store = open_or_build(
+                store_root, source_key, chat, lambda: train_examples, out.line, total, should_stop
+            )
+            train_set = build_train_set(store, t.seq_len, pad_id, t.packing, t.seed)
     except BuildStopped:
         out.line("data: stopped while building the token store (nothing of it kept)")
         return None
@@ -362,6 +388,8 @@ class Run:
         self.staging = HostStaging(host_too=background)
         self.writer = CheckpointWriter(self.staging, background)
         self.announcement: tuple[int, str, str] | None = None  # rank 0's last checkpoint written
+        self.startup: StartupClock | None = None  # this start's clock, until its first step is logged
+        self.resumed = False
 
     def restore(self, resume_from: ResumePoint | None, shape: Shape) -> int:
         """The step to start from: 0, or the checkpoint's (its state restored everywhere, on this
@@ -373,6 +401,7 @@ class Run:
             runrecord.note(self.out_dir, stretches=self.stretches)
         if resume_from is None:
             return 0
+        self.resumed = True
         restore(state, self.topology, self.loader, self.cfg.train.seed, shape)
         self.tau0 = state["tau0"] if state["tau0"] >= 0 else None
         self.tau0_step = int(state.get("tau0_step", 0))
@@ -409,6 +438,17 @@ class Run:
         self.out.metric({"kind": "eval", "step": step, "tau": self.tau, "prompts": len(self.eval_prompts)})
         self.warn_about_recompiles()
         return self.tau
+
+    def report_startup(self) -> None:
+        """Where this start's time went, once its first progress line is out: a log line, and the
+        run record's `startup` (a resume's replaces the start's; the log keeps both)."""
+        if self.startup is None:
+            return
+        breakdown = self.startup.breakdown()
+        self.startup = None
+        self.out.line(describe_startup(breakdown, self.resumed))
+        if self.world.local_rank == 0:
+            runrecord.note(self.out_dir, startup={"resumed": self.resumed, "seconds": breakdown})
 
     def prepare_checkpoint(self) -> None:
         """Rank 0 allocates its host copy of a checkpoint while training goes on (HostStaging.prepare),
@@ -685,6 +725,7 @@ def training_loop(run: Run, step: int) -> int:
     run.tau = run.tau if run.tau is not None else run.tau0
     meter = Throughput(total, run.gpus, peak_flops(run.models.replicas[0].device))
     started = step
+    first_step_began = time.perf_counter()
     while step < total:
         run.collect_checkpoint()
         if run.world.any(run.stop()):
@@ -703,9 +744,12 @@ def training_loop(run: Run, step: int) -> int:
             loss = float(loss)
             if not math.isfinite(loss):
                 run.diverged(step, f"the loss is {loss}")
+        if first and run.startup is not None:
+            run.startup.add("first step", time.perf_counter() - first_step_began)
         if logs or first:
             run.log_progress(step, loss, meter, row=logs)
         if first:
+            run.report_startup()
             run.prepare_checkpoint()
         if initial is not None:
             run.tau0, initial = run.evaluate(0, weights=initial), None
