@@ -76,3 +76,54 @@ def test_the_run_record_keeps_the_breakdown(tmp_path):
     assert kept["resumed"] is False and kept["seconds"]["target load"] == 1.5
     seconds = kept["seconds"]
     assert sum(v for k, v in seconds.items() if k != "total") == pytest.approx(seconds["total"], abs=0.02)
+
+
+def test_a_resume_loads_the_target_while_it_reads_its_checkpoint(tmp_path, monkeypatch):
+    """The target's load begins before the checkpoint read ends; a refused checkpoint leaves no
+    load running behind it."""
+    import threading
+
+    import torch
+
+    from trainer.config import load_config
+    from trainer.parallel.topology import ThreadedWorld
+    from trainer.run import train as train_module
+
+    loading = threading.Event()
+    seen: dict[str, object] = {}
+
+    def slow_load(path, device, dtype):
+        seen["target"] = (path, device, dtype)
+        loading.set()
+        time.sleep(0.2)
+        return object()
+
+    def read_checkpoint(cfg, out_dir, world):
+        seen["overlapped"] = loading.wait(10)  # bounded: a load in line would never start
+        raise train_module.BadInput("checkpoint refused")
+
+    monkeypatch.setattr(train_module, "load_target", slow_load)
+    monkeypatch.setattr(train_module, "find_resume_point", read_checkpoint)
+    cfg = load_config("eager", None, [f"model.target_path={tmp_path / 'target'}"])
+    place = train_module.Placement([torch.device("cpu")], ThreadedWorld(), 1, None)
+    with pytest.raises(train_module.BadInput, match="checkpoint refused"):
+        train_module.run_training(cfg, tmp_path / "out", True, place)
+    assert seen["overlapped"] is True
+    assert seen["target"] == (tmp_path / "target", torch.device("cpu"), cfg.model.dtype)
+    assert not [t for t in threading.enumerate() if t.name == "target-load"]
+    assert not (tmp_path / "out").exists(), "refused before anything was written"
+
+
+def test_a_target_load_beside_the_resume_raises_its_error_where_the_target_is_needed(tmp_path, monkeypatch):
+    import torch
+
+    from trainer.run import train as train_module
+
+    def failing(path, device, dtype):
+        raise OSError(f"no model in {path}")
+
+    monkeypatch.setattr(train_module, "load_target", failing)
+    load = train_module.TargetLoad(tmp_path, torch.device("cpu"), "float32")
+    assert load.result(tmp_path / "other", torch.device("cpu")) is None, "another target: loaded in line"
+    with pytest.raises(OSError, match="no model in"):
+        load.result(tmp_path, torch.device("cpu"))

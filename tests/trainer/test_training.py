@@ -175,11 +175,14 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
     assert "checkpoint read" in parts and "state restore" in parts
 
 
-def test_a_kill_9_after_a_background_checkpoint_resumes_bit_exact(tmp_path, cache_dir):
+def test_a_kill_9_after_a_background_checkpoint_resumes_bit_exact(tmp_path, cache_dir, embedded):
     """The periodic checkpoints are written in the background while training goes on; one of them,
-    resumed after a kill -9, gives the uninterrupted run's losses bit for bit."""
+    resumed after a kill -9, gives the uninterrupted run's losses bit for bit. The target is a
+    configured one: the resume loads it while it reads the checkpoint."""
+    target, data = embedded
     common = [
         "--run", "eager", "--steps", "16", "--seed", "5", "--set", f"data.cache_dir={cache_dir}",
+        "--set", f"model.target_path={target}", "--set", f"data.train_file={data}",
         "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "train.checkpoint_every=4",
         "--set", "train.keep_checkpoints=0", *FAST,
     ]  # fmt: skip
@@ -215,6 +218,8 @@ def test_a_kill_9_after_a_background_checkpoint_resumes_bit_exact(tmp_path, cach
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {saved}" in resumed.stdout
     assert _losses(killed) == _losses(straight)  # the last row of each step: bit for bit
+    _, said, parts = parts_of(next(x for x in resumed.stdout.splitlines() if x.startswith("startup: ")))
+    assert said == "a resume" and "checkpoint read" in parts and "target load" in parts
 
 
 def test_worker_failure_stops_the_run(tmp_path, cache_dir, monkeypatch, capsys):
