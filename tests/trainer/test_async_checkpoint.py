@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from trainer.run import checkpoint as ckpt
+from trainer.run import runrecord
 from trainer.run.checkpoint import (
     CheckpointWriteError,
     CheckpointWriter,
@@ -104,7 +105,7 @@ def test_a_host_without_room_for_the_copy_writes_before_training_goes_on(tmp_pat
 
 
 def _filling_open(monkeypatch, after_bytes: int):
-    """Checkpoint temporary files whose writes fail with ENOSPC past `after_bytes`."""
+    """Checkpoint temporary files whose writes fail with ENOSPC past `after_bytes` (the record has room)."""
     import pathlib
 
     opened = pathlib.Path.open
@@ -131,7 +132,7 @@ def _filling_open(monkeypatch, after_bytes: int):
 
     def open_filling(self, mode="r", *args, **kwargs):
         handle = opened(self, mode, *args, **kwargs)
-        return Filling(handle) if "w" in mode and self.name.endswith(".tmp") else handle
+        return Filling(handle) if "w" in mode and self.name.startswith(".step_") else handle
 
     monkeypatch.setattr(pathlib.Path, "open", open_filling)
     return room
@@ -169,6 +170,7 @@ KILLED_MID_WRITE = """
 import sys, time, torch
 from pathlib import Path
 from trainer.run import checkpoint as ckpt
+from trainer.run import runrecord
 directory = Path(sys.argv[1])
 ckpt.save_checkpoint(directory, 1, {"w": torch.full((1 << 20,), 1.0)})
 real_write = ckpt.HashingWriter.write
@@ -248,7 +250,8 @@ def test_a_lost_background_write_prunes_nothing_and_says_training_goes_on(tmp_pa
     directory = tmp_path / "checkpoints"
     for step in (1, 2):
         save_checkpoint(directory, step, _live_state(float(step)))
-    _filling_open(monkeypatch, after_bytes=256)
+    runrecord.write_record(tmp_path, {"pid": os.getpid(), "state": "running"})
+    room = _filling_open(monkeypatch, after_bytes=256)
     run = _run(tmp_path, keep=1, writer=CheckpointWriter(HostStaging(host_too=True), background=True))
     run.writer.start(directory, 3, _live_state(3.0), time.perf_counter())
     run.report(run.writer.wait())
@@ -256,6 +259,15 @@ def test_a_lost_background_write_prunes_nothing_and_says_training_goes_on(tmp_pa
     assert run.out.lines[-1].startswith("checkpoint step 3 not saved: cannot save the checkpoint of step 3")
     assert "No space left on device" in run.out.lines[-1]
     assert run.out.lines[-1].endswith("training goes on, and the next checkpoint tries again")
+    lost = runrecord.read_record(tmp_path)["checkpoint_lost"]
+    assert lost["step"] == 3 and "No space left on device" in lost["reason"]
+    room["bytes"] = 1 << 30  # space freed: the next checkpoint is written, and the record says so
+    run.writer.start(directory, 4, _live_state(4.0), time.perf_counter())
+    run.report(run.writer.wait())
+    assert [step for step, _ in list_checkpoints(directory)] == [4]
+    record = runrecord.read_record(tmp_path)
+    assert record["checkpoint_lost"] is None
+    assert record["last_checkpoint"] == str(directory / "step_00000004.pt")
 
 
 def test_a_lost_write_at_a_stop_or_the_end_ends_the_run_with_its_error(tmp_path):
