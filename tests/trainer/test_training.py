@@ -480,8 +480,15 @@ def test_a_stop_during_the_step_0_evaluation_checkpoints_the_first_step_s_weight
     assert not torch.equal(stopped["drafter"]["fc.weight"], step_0["fc.weight"])  # trained since
     for name, value in want["drafter"].items():
         assert torch.equal(stopped["drafter"][name], value), name
-    # Its resume evaluates at step 1 in step 0's stead, and says so at the end.
+    # Its resume evaluates step 1's weights in step 0's stead, after its first step's progress line
+    # (what launch.yml waits for), and says so at the end.
     monkeypatch.setattr(trainer.run.train, "acceptance_length", evaluation(1.25))
     capsys.readouterr()
     assert main([*args, "--out", str(tmp_path / "stopped"), "--resume"]) == 0
-    assert "done: step 6, tau 1.25 (step 1: 1.25)" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert "done: step 6, tau 1.25 (step 1: 1.25)" in lines
+    assert lines.index("eval step 1 tau 1.250 prompts 4") > next(
+        index for index, line in enumerate(lines) if line.startswith("step 2/6 ")
+    )
+    for name, value in stopped["drafter"].items():  # evaluated: the resumed step's weights
+        assert torch.equal(evaluated[-2][name], value), name

@@ -765,9 +765,11 @@ def training_loop(run: Run, step: int) -> int:
     total = cfg.train.steps
     # The step-0 evaluation of a fresh start runs after the first step's progress line, on a copy
     # of the step-0 weights: launch.yml waits for that line, and the recipe's evaluation (32 prompts
-    # of 256 new tokens, an untrained drafter needing a verify step a token) takes minutes.
-    initial = host_copy(run.models.replicas[0].drafter) if run.tau0 is None and step == 0 else None
-    if run.tau0 is None and initial is None:  # a resumed run whose step-0 evaluation did not finish
+    # of 256 new tokens, an untrained drafter needing a verify step a token) takes minutes. A resumed
+    # run whose step-0 evaluation did not finish evaluates its resumed step's weights in its stead,
+    # the same way: after its first step.
+    initial = host_copy(run.models.replicas[0].drafter) if run.tau0 is None and step < total else None
+    if run.tau0 is None and initial is None:  # resumed at the last step: nothing to train first
         run.tau0, run.tau0_step = run.evaluate(step), step
         if run.tau0 is None:
             return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save_final)
@@ -801,7 +803,8 @@ def training_loop(run: Run, step: int) -> int:
             run.report_startup()
             run.prepare_checkpoint()
         if initial is not None:
-            run.tau0, initial = run.evaluate(0, weights=initial), None
+            run.tau0, run.tau0_step = run.evaluate(started, weights=initial), started
+            initial = None
             if run.tau0 is None:
                 return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save_final)
             run.tau = run.tau if run.tau is not None else run.tau0
