@@ -286,3 +286,11 @@ def test_a_crash_waits_for_the_write_in_flight_and_says_it_is_saved(tmp_path, he
     assert not run.writer.in_flight
     assert run.out.lines[0] == f"checkpoint saved step 4 {directory / 'step_00000004.pt'}"
     assert load_checkpoint(directory / "step_00000004.pt")["drafter"]["w"][0] == 4.0
+
+
+def test_with_async_checkpoints_off_the_write_is_done_when_start_returns(tmp_path):
+    writer = CheckpointWriter(HostStaging(host_too=False), background=False)
+    writer.start(tmp_path, 6, _live_state(6.0), time.perf_counter())
+    assert writer.thread is None and (tmp_path / "step_00000006.pt").is_file()
+    written = writer.wait()
+    assert written.unstaged is None and written.paused_s >= written.write_s > 0
