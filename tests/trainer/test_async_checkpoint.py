@@ -294,3 +294,27 @@ def test_with_async_checkpoints_off_the_write_is_done_when_start_returns(tmp_pat
     assert writer.thread is None and (tmp_path / "step_00000006.pt").is_file()
     written = writer.wait()
     assert written.unstaged is None and written.paused_s >= written.write_s > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
+def test_a_background_write_of_device_tensors_holds_them_as_they_were_at_the_copy(tmp_path, held_writes):
+    """On a GPU: the copy into pinned buffers is complete when start returns, the next steps' kernels
+    change the device tensors, the file holds the copy; the next checkpoint reuses the buffers."""
+    weights = torch.full((1 << 20,), 1.0, device="cuda")
+    state = {"drafter": {"w": weights}, "optimizer": {"step": torch.tensor(3.0)}}
+    staging = HostStaging(host_too=True)
+    writer = CheckpointWriter(staging, background=True)
+    writer.start(tmp_path, 1, state, time.perf_counter())
+    assert staging.buffers[0].is_pinned() and writer.in_flight
+    weights.mul_(5.0)  # queued on the device right after the copy
+    state["optimizer"]["step"].add_(1)
+    torch.cuda.synchronize()
+    held_writes.release.set()
+    written = writer.wait()
+    loaded = load_checkpoint(written.path)
+    assert loaded["drafter"]["w"].eq(1.0).all() and loaded["optimizer"]["step"] == 3.0
+    buffers = [id(buffer) for buffer in staging.buffers]
+    writer.start(tmp_path, 2, state, time.perf_counter())
+    assert writer.wait().error is None and [id(buffer) for buffer in staging.buffers] == buffers
+    assert load_checkpoint(tmp_path / "step_00000002.pt")["drafter"]["w"].eq(5.0).all()
