@@ -63,6 +63,7 @@ class ConfigError(Exception):
 # float32 and bfloat16 alike, and with regeneration's shorter prompts).
 FLEX_MIN_LEN = 128
 
+
 @dataclass
 class RunConfig:
     """What the run is: its name (the profile's file stem), a description and the topology."""
