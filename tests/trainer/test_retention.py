@@ -71,6 +71,7 @@ def test_a_partial_write_a_killed_trainer_left_is_removed_by_the_next_checkpoint
         ("train.checkpoint_every_s=-5", "train.checkpoint_every_s must be in [0, 604800]"),
         ("train.checkpoint_every_s=1e9", "train.checkpoint_every_s must be in [0, 604800]"),
         ("train.checkpoint_every_s=nan", "train.checkpoint_every_s must be a finite number"),
+        ("train.async_checkpoints=maybe", "train.async_checkpoints: expected true or false, got 'maybe'"),
     ],
 )
 def test_bad_retention_and_clock_values_are_refused_by_name(setting, said):
