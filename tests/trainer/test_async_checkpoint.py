@@ -318,3 +318,32 @@ def test_a_background_write_of_device_tensors_holds_them_as_they_were_at_the_cop
     writer.start(tmp_path, 2, state, time.perf_counter())
     assert writer.wait().error is None and [id(buffer) for buffer in staging.buffers] == buffers
     assert load_checkpoint(tmp_path / "step_00000002.pt")["drafter"]["w"].eq(5.0).all()
+
+
+def test_a_stop_waits_for_the_write_in_flight_then_writes_its_own(tmp_path, held_writes, monkeypatch):
+    """Run.save at a stop (final): the write before it ends on disk and is reported first, then the
+    stop's own checkpoint is written before save returns; the live state changed in between."""
+    from trainer.run import train as train_module
+
+    live = _live_state(0.0)
+    monkeypatch.setattr(train_module, "checkpoint_state", lambda step, *_args: {**live, "step": step})
+    run = _run(tmp_path, keep=0, writer=CheckpointWriter(HostStaging(host_too=True), background=True))
+    run.world = SimpleNamespace(is_lead=True, world_size=1, any=lambda flag: flag)
+    run.models = SimpleNamespace(replicas=[SimpleNamespace(params=[live["drafter"]["w"]])])
+    run.cfg = SimpleNamespace(train=SimpleNamespace(keep_checkpoints=0, async_checkpoints=True))
+    run.topology = run.loader = run.stretches = None
+    run.tau0, run.tau0_step = None, 0
+    for name in ("save", "save_final", "announce"):
+        setattr(run, name, getattr(Run, name).__get__(run))
+    live["drafter"]["w"].fill_(3.0)
+    run.save(3)
+    assert run.writer.in_flight and run.out.lines == []
+    live["drafter"]["w"].fill_(4.0)  # the next step trains on
+    threading.Timer(0.3, held_writes.release.set).start()
+    run.save_final(4)
+    assert not run.writer.in_flight
+    saved = [line for line in run.out.lines if line.startswith("checkpoint saved step ")]
+    assert [line.split()[3] for line in saved] == ["3", "4"]
+    directory = tmp_path / "checkpoints"
+    assert load_checkpoint(directory / "step_00000003.pt")["drafter"]["w"].eq(3.0).all()
+    assert load_checkpoint(directory / "step_00000004.pt")["drafter"]["w"].eq(4.0).all()
