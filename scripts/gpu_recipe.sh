@@ -164,8 +164,8 @@ EOF
 }
 
 checkpoint_lines() {  # checkpoint_lines LOG: every checkpoint's pause and write, the newest last
-    grep -E "^checkpoint step [0-9]+: training paused|^checkpoint step [0-9]+ not saved|written without a host copy" "$1" \
-        | sed 's/^/   /'
+    { grep -E "^checkpoint step [0-9]+: training paused|^checkpoint step [0-9]+ not saved|written without a host copy" "$1" \
+        || echo "none"; } | sed 's/^/   /'
 }
 
 wait_for_end() {  # wait_for_end SECONDS: until the run record leaves `running`; 1 if it did not
@@ -235,7 +235,7 @@ stage_train() {
     say "checkpoints of the resumed process (every CHECKPOINT_EVERY=$CHECKPOINT_EVERY steps, the end's last):"
     checkpoint_lines "$log"
     say "startup lines of the logs (launch, then resume):"
-    grep -h -E "^startup: " "$OUT/launch_train_qwen3-8b.log" "$log" | sed 's/^/   /'
+    { grep -h -E "^startup: " "$OUT/launch_train_qwen3-8b.log" "$log" || echo "none"; } | sed 's/^/   /'
     ls -la "$STATE/workspace/runs/qwen3-8b/checkpoints" | sed 's/^/   /'
     cp "$log" "$OUT/train_qwen3-8b.log"
 }
