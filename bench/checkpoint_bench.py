@@ -4,9 +4,13 @@ hashing in line, and the disk's own rate for as many bytes, side by side; on a G
 into fresh pinned buffers (a run's first checkpoint), into reused pageable ones, and torch.save
 straight from the device. Then a load in a fresh process each way: the product's (the payload a
 view of the file's bytes) and with the payload copied out of them as a slice (what the loader did
-before), time and peak RSS.
+before), time and peak RSS. Last, what a checkpoint costs a training loop (a stand-in: matmuls on
+--device, the result read every step): through the product's CheckpointWriter in the background
+(train.async_checkpoints, the default) and in line, the loop's pause, the write's own time, and the
+loop's step time while the write runs beside it against without one.
 
     python bench/checkpoint_bench.py [--gib 1.5] [--repeats 2] [--dir DIR] [--device cuda] [--no-load]
+        [--no-pause]
 
 The state is float32 tensors of 64 Mi elements (a drafter's weights and moments are of that order:
 12.6 GB at the Qwen3-8B recipe's shape), on --device. After one write to warm up, the variants take
@@ -79,6 +83,41 @@ def load_rows(directory: Path, state: dict, repeats: int) -> None:
     path.unlink()
 
 
+def pause_rows(directory: Path, state: dict, device: str, repeats: int) -> None:
+    """The stand-in loop's pause per checkpoint, the write's time and the loop's step time beside
+    the write, the CheckpointWriter in the background and in line (medians over `repeats`)."""
+    side = 2048 if device != "cpu" else 512
+    a = torch.randn(side, side, device=device)
+
+    def step() -> float:
+        began = time.perf_counter()
+        float((a @ a).sum())  # read back, as the loop reads a loss
+        return time.perf_counter() - began
+
+    alone = statistics.median(step() for _ in range(50))
+    for background in (True, False):
+        writer = checkpoint.CheckpointWriter(checkpoint.HostStaging(host_too=True), background)
+        paused, written, beside = [], [], []
+        for repeat in range(repeats + 1):  # the first one fills the staging's buffers: not counted
+            writer.start(directory, repeat, state, time.perf_counter())
+            during = []
+            while writer.in_flight and len(during) < 100_000:
+                during.append(step())
+            outcome = writer.wait()
+            outcome.path.unlink()
+            if repeat:
+                paused.append(outcome.paused_s)
+                written.append(outcome.write_s)
+                beside.extend(during)
+        name = "background write" if background else "write in line"
+        step_beside = f"{statistics.median(beside) * 1e3:.1f} ms" if beside else "none ran"
+        print(
+            f"{name:>36}: training paused median {statistics.median(paused):6.2f} s, the write "
+            f"{statistics.median(written):6.2f} s; a step beside the write {step_beside} "
+            f"({len(beside)} steps), alone {alone * 1e3:.1f} ms"
+        )
+
+
 def write_variants(state: dict, device: str) -> dict:
     """name -> (repeat -> (the host staging to copy through or None, the writer's overlap size)).
     The reused stagings copy once here (a run's first checkpoint); on a CPU the state is on the
@@ -110,7 +149,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", default="/tmp/checkpoint-bench")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--no-load", action="store_true", help="the write rows only")
+    parser.add_argument("--no-load", action="store_true", help="no load rows")
+    parser.add_argument("--no-pause", action="store_true", help="no rows of a training loop's pause")
     args = parser.parse_args()
     tensors = max(1, round(args.gib * 2**30 / (4 * 2**26)))
     state = {"weights": [torch.randn(2**26, device=args.device) for _ in range(tensors)]}
@@ -144,6 +184,8 @@ def main() -> int:
             runs = ", ".join(f"{took:.2f}" for took in times)
             copied = f"; the host copy {statistics.median(copies[name]):.2f} s" if copies.get(name) else ""
             print(f"{name:>36}: median {median:6.2f} s ({size / 1e9 / median:.2f} GB/s){copied}, runs {runs}")
+        if not args.no_pause:
+            pause_rows(directory, state, args.device, args.repeats)
         if not args.no_load:
             load_rows(directory, state, args.repeats)
     finally:

@@ -66,6 +66,9 @@ NEW_TOKENS=${NEW_TOKENS:-256}
 # REGEN_COMPILE=false decodes eagerly, for an end to end within a ten-minute call.
 REGEN_COMPILE=${REGEN_COMPILE:-true}
 STEPS=${STEPS:-24}
+# A periodic checkpoint every CHECKPOINT_EVERY steps besides the stop's and the end's: one written in
+# the background while training goes on (0: none).
+CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-8}
 # How long the data stage may regenerate before it stops the run (the finished shards are kept, and
 # the train stage's launch regenerates the rest): a device call has ten minutes.
 REGEN_BUDGET_S=${REGEN_BUDGET_S:-420}
@@ -101,13 +104,14 @@ playbook() {  # playbook NAME LOG [ansible-playbook args...]
 }
 
 # The machine config (the model and data keys the recipe needs) and the run's lengths for a short
-# end to end: STEPS steps, checkpoints at the stop and at the end (one kept, and the best tau's), tau on
-# 4 prompts.
+# end to end: STEPS steps, checkpoints at the stop, every CHECKPOINT_EVERY steps and at the end (one
+# kept, and the best tau's), tau on 4 prompts.
 write_vars() {
-    python3 - "$VARS" "$MODEL" "$NEW_TOKENS" "$REGEN_COMPILE" "$EXTRA_SET" <<'EOF'
+    python3 - "$VARS" "$MODEL" "$NEW_TOKENS" "$REGEN_COMPILE" "$EXTRA_SET" "$CHECKPOINT_EVERY" <<'EOF'
 import json, sys
 path, model, new_tokens, regen_compile = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "true"
 extra = [item for item in sys.argv[5].split(",") if item]
+checkpoint_every = int(sys.argv[6])
 json.dump({
     "dflash_machine": {
         "model": {"target_path": f"{model}/target", "dtype": "bfloat16"},
@@ -118,7 +122,7 @@ json.dump({
     },
     "workspace_trainer_set": [
         "train.log_every=4", "train.eval_every=0", "train.eval_prompts=4", "train.eval_max_new_tokens=64",
-        "train.checkpoint_every=0", "train.checkpoint_every_s=0", "train.keep_checkpoints=1",
+        f"train.checkpoint_every={checkpoint_every}", "train.checkpoint_every_s=0", "train.keep_checkpoints=1",
     ] + extra,
 }, open(path, "w"), indent=1)
 EOF
@@ -144,6 +148,33 @@ status_lines() {  # status_lines LOG: the report's lines that say where the run 
 recorded_state() {  # the run record's state on the target (the truth status reads)
     python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r.get("state"), r.get("exit_reason", ""))' \
         "$STATE/workspace/runs/qwen3-8b/run.json" 2>/dev/null || echo "none"
+}
+
+startup_breakdown() {  # startup_breakdown WHAT: the run record's startup (where the time to the first step went)
+    local record=$STATE/workspace/runs/qwen3-8b/run.json
+    for _ in 1 2 3 4 5 6 7 8 9 10; do  # the record is written just after the line launch.yml waits for
+        python3 - "$record" "$1" <<'EOF' && return 0
+import json, sys
+from trainer.run.startup import ORDER
+startup = json.load(open(sys.argv[1])).get("startup")
+if not startup:
+    sys.exit(1)
+seconds = startup["seconds"]
+what = "resume" if startup["resumed"] else "launch"
+print(f"   {sys.argv[2]}: {what} breakdown from the run record, {seconds['total']:.1f} s from the trainer's start "
+      "to its first step:")
+for name in [*ORDER, "other"]:
+    if name in seconds:
+        print(f"      {name:<26} {seconds[name]:7.1f} s")
+EOF
+        sleep 1
+    done
+    say "no startup breakdown in $record"
+}
+
+checkpoint_lines() {  # checkpoint_lines LOG: every checkpoint's pause and write, the newest last
+    { grep -E "^checkpoint step [0-9]+: training paused|^checkpoint step [0-9]+ not saved|written without a host copy" "$1" \
+        || echo "none"; } | sed 's/^/   /'
 }
 
 wait_for_end() {  # wait_for_end SECONDS: until the run record leaves `running`; 1 if it did not
@@ -189,22 +220,31 @@ stage_train() {
     playbook launch launch.log -e run=qwen3-8b -e "steps=$STEPS"
     grep -E "PID|first progress" "$OUT/launch.log" | head -3 | sed 's/^/   /'
     grep -E "^data|^drafter|compiled and warmed|^step|regen" "$log" | head -16 | sed 's/^/   /'
+    startup_breakdown launch
     playbook status status_train.log
     status_lines status_train.log
     gpus | sed 's/^/   GPU /'
     playbook stop stop.log
     grep -E "stopped|checkpoint" "$OUT/stop.log" | head -4 | sed 's/^/   /'
     grep -E "^checkpoint" "$log" | tail -n 3 | sed 's/^/   /'
+    say "checkpoints of the launched process (the stop's last):"
+    checkpoint_lines "$log"
+    cp "$log" "$OUT/launch_train_qwen3-8b.log"  # the next launch starts the log anew (the old one renamed)
     ls -la "$STATE/workspace/runs/qwen3-8b/checkpoints" | sed 's/^/   /'
     playbook launch resume.log -e run=qwen3-8b -e resume=true
     grep -E "PID|first progress" "$OUT/resume.log" | head -3 | sed 's/^/   /'
     grep -m1 "resumed from" "$log" | sed 's/^/   /'
+    startup_breakdown resume
     wait_for_end 300 || true
     say "run record: $(recorded_state)"
     case "$(recorded_state)" in finished*) ;; *) say "FAIL: the resumed run did not finish"; exit 1 ;; esac
     playbook status status_done.log
     status_lines status_done.log
     grep -E "^step|^eval|^checkpoint|^done" "$log" | tail -n 14 | sed 's/^/   /'
+    say "checkpoints of the resumed process (every CHECKPOINT_EVERY=$CHECKPOINT_EVERY steps, the end's last):"
+    checkpoint_lines "$log"
+    say "startup lines of the logs (launch, then resume):"
+    { grep -h -E "^startup: " "$OUT/launch_train_qwen3-8b.log" "$log" || echo "none"; } | sed 's/^/   /'
     ls -la "$STATE/workspace/runs/qwen3-8b/checkpoints" | sed 's/^/   /'
     cp "$log" "$OUT/train_qwen3-8b.log"
 }

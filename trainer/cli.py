@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 from .config import ConfigError, load_config
@@ -36,7 +37,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, began: float | None = None) -> int:
+    """`began`: time.perf_counter() at the process's entry (python -m trainer), where the startup
+    breakdown counts from; this call's start otherwise."""
+    began = time.perf_counter() if began is None else began
     args = parse_args(argv)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         args.resume = True  # torchrun restarted the ranks after a crash (--max-restarts): resume
@@ -67,4 +71,4 @@ def main(argv: list[str] | None = None) -> int:
         return guarded(out_dir, lambda: regenerate(cfg, out_dir, None))
     from .run.train import train
 
-    return guarded(out_dir, lambda: train(cfg, out_dir, args.resume))
+    return guarded(out_dir, lambda: train(cfg, out_dir, args.resume, began))

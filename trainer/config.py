@@ -64,6 +64,7 @@ class ConfigError(Exception):
 # float32 and bfloat16 alike, and with regeneration's shorter prompts).
 FLEX_MIN_LEN = 128
 
+
 @dataclass
 class RunConfig:
     """What the run is: its name (the profile's file stem), a description and the topology."""
@@ -191,6 +192,10 @@ class TrainConfig:
     An older one is removed only once a newer one is complete on disk, and never while a resume or
     an export reads it. The best-tau one is that of the step of the best evaluation: a new best
     tau is checkpointed at its step."""
+    async_checkpoints: bool = True
+    """Write checkpoints in the background: training waits only for the copy of the state to host
+    memory (pinned on a GPU), then goes on while a thread hashes and writes it; one write at a time.
+    false: training waits for the whole write."""
 
     def problems(self) -> list[str]:
         out = []

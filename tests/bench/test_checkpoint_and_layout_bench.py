@@ -25,6 +25,9 @@ def test_the_checkpoint_bench_prints_each_write_and_load(tmp_path: Path) -> None
     rows = ("the product (pinned staging, reused)", "hash in line", "disk alone", "load, the payload a view")
     for row in rows:
         assert re.search(rf"{re.escape(row)}: median +[0-9.]+ s", out), out
+    for row in ("background write", "write in line"):  # what a checkpoint costs a training loop
+        pause = rf"{row}: training paused median +[0-9.]+ s, the write +[0-9.]+ s; a step beside"
+        assert re.search(pause, out), out
     assert not (tmp_path / "b").exists()  # cleaned up
 
 

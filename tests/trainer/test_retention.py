@@ -71,6 +71,7 @@ def test_a_partial_write_a_killed_trainer_left_is_removed_by_the_next_checkpoint
         ("train.checkpoint_every_s=-5", "train.checkpoint_every_s must be in [0, 604800]"),
         ("train.checkpoint_every_s=1e9", "train.checkpoint_every_s must be in [0, 604800]"),
         ("train.checkpoint_every_s=nan", "train.checkpoint_every_s must be a finite number"),
+        ("train.async_checkpoints=maybe", "train.async_checkpoints: expected true or false, got 'maybe'"),
     ],
 )
 def test_bad_retention_and_clock_values_are_refused_by_name(setting, said):
@@ -144,7 +145,10 @@ def test_a_run_keeps_the_newest_and_the_best_tau_checkpoint_and_says_what_each_c
     assert kept[-2:] == [21, 24], "the newest two"
     assert len(kept) <= 3, kept
     assert max(taus.get(step, 0.0) for step in kept) == max(taus.values()), f"and the best tau's: {taus}"
-    cost = r"^checkpoint step (\d+): [0-9.]+ GiB written in [0-9.]+ s; kept steps ([0-9, ]+)"
+    cost = (
+        r"^checkpoint step (\d+): training paused [0-9.]+ s; [0-9.]+ GiB written in [0-9.]+ s; "
+        r"kept steps ([0-9, ]+)"
+    )
     costs = re.findall(cost, result.stdout, re.M)
     assert [int(step) for step, _ in costs][-1] == 24
     assert costs[-1][1].strip().split(", ") == [str(step) for step in kept], "the log says what is kept"

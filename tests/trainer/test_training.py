@@ -20,6 +20,7 @@ import torch
 from trainer.cli import main
 
 from .conftest import REPO, run_trainer
+from .test_startup import parts_of
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +113,9 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
         *FAST,
     ]
     straight = tmp_path / "straight"
+    launched = time.monotonic()
     result = run_trainer(*common, "--out", str(straight))
+    wall = time.monotonic() - launched
     assert result.returncode == 0, result.stderr
     packed = re.search(
         r"^data: (\d+) training conversations in (\d+) rows of 320 tokens \(packed", result.stdout, re.M
@@ -161,6 +164,62 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
     expected = _losses(straight)
     assert len(expected) == 24
     assert _losses(interrupted) == expected  # bit-for-bit the same losses at every step
+
+    # Each start says where its time went before its first step; the parts add up to the total.
+    for output, kind in ((result.stdout, "a start"), (resumed.stdout, "a resume")):
+        total, said, parts = parts_of(next(x for x in output.splitlines() if x.startswith("startup: ")))
+        assert said == kind and total < wall
+        assert sum(parts.values()) == pytest.approx(total, rel=0.05)
+        assert parts["imports and config"] > 0 and parts["target load"] > 0 and parts["first step"] > 0
+        assert parts["other"] < 0.2 * total, parts
+    assert "checkpoint read" in parts and "state restore" in parts
+
+
+def test_a_kill_9_after_a_background_checkpoint_resumes_bit_exact(tmp_path, cache_dir, embedded):
+    """The periodic checkpoints are written in the background while training goes on; one of them,
+    resumed after a kill -9, gives the uninterrupted run's losses bit for bit. The target is a
+    configured one: the resume loads it while it reads the checkpoint."""
+    target, data = embedded
+    common = [
+        "--run", "eager", "--steps", "16", "--seed", "5", "--set", f"data.cache_dir={cache_dir}",
+        "--set", f"model.target_path={target}", "--set", f"data.train_file={data}",
+        "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "train.checkpoint_every=4",
+        "--set", "train.keep_checkpoints=0", *FAST,
+    ]  # fmt: skip
+    straight = tmp_path / "straight"
+    result = run_trainer(*common, "--out", str(straight))
+    assert result.returncode == 0, result.stderr
+    cost = r"^checkpoint step 4: training paused [0-9.]+ s; [0-9.]+ GiB written in "
+    assert re.search(cost, result.stdout, re.M)
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainer", *common, "--out", str(killed)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        log = killed / "train.log"
+        while time.monotonic() < deadline and process.poll() is None:
+            if log.exists() and "checkpoint saved step 8 " in log.read_text():
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, "the run ended before it could be killed"
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    saved = max(int(path.name[5:13]) for path in (killed / "checkpoints").glob("step_*.pt"))
+    assert 8 <= saved < 16
+
+    resumed = run_trainer(*common, "--out", str(killed), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"at step {saved}" in resumed.stdout
+    assert _losses(killed) == _losses(straight)  # the last row of each step: bit for bit
+    _, said, parts = parts_of(next(x for x in resumed.stdout.splitlines() if x.startswith("startup: ")))
+    assert said == "a resume" and "checkpoint read" in parts and "target load" in parts
 
 
 def test_worker_failure_stops_the_run(tmp_path, cache_dir, monkeypatch, capsys):
@@ -421,8 +480,15 @@ def test_a_stop_during_the_step_0_evaluation_checkpoints_the_first_step_s_weight
     assert not torch.equal(stopped["drafter"]["fc.weight"], step_0["fc.weight"])  # trained since
     for name, value in want["drafter"].items():
         assert torch.equal(stopped["drafter"][name], value), name
-    # Its resume evaluates at step 1 in step 0's stead, and says so at the end.
+    # Its resume evaluates step 1's weights in step 0's stead, after its first step's progress line
+    # (what launch.yml waits for), and says so at the end.
     monkeypatch.setattr(trainer.run.train, "acceptance_length", evaluation(1.25))
     capsys.readouterr()
     assert main([*args, "--out", str(tmp_path / "stopped"), "--resume"]) == 0
-    assert "done: step 6, tau 1.25 (step 1: 1.25)" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert "done: step 6, tau 1.25 (step 1: 1.25)" in lines
+    assert lines.index("eval step 1 tau 1.250 prompts 4") > next(
+        index for index, line in enumerate(lines) if line.startswith("step 2/6 ")
+    )
+    for name, value in stopped["drafter"].items():  # evaluated: the resumed step's weights
+        assert torch.equal(evaluated[-2][name], value), name

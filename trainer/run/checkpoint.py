@@ -21,8 +21,10 @@ import io
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,8 +110,13 @@ class HostStaging:
     memory the size of a checkpoint. Where the host has not twice that available (a container's
     limit, say), or pinning fails, the state is written as it is, tensor by tensor."""
 
-    def __init__(self, pin: bool = True, available: Callable[[], int | None] | None = None):
+    def __init__(
+        self, pin: bool = True, available: Callable[[], int | None] | None = None, host_too: bool = False
+    ):
         self.pin = pin
+        # host_too: copy the host's tensors as well (a snapshot that training may not change while
+        # a background write reads it: on the CPU the state's tensors are the live parameters)
+        self.host_too = host_too
         self.available = available or available_host_memory
         self.buffers: list[torch.Tensor] = []
         self.declined: str | None = None  # why the last state was written unstaged
@@ -122,7 +129,7 @@ class HostStaging:
         checkpoint (11.72 GiB on one H200: 30.0 s, the next 24.4 s). Best effort: a buffer of
         another shape than the state's tensor at its place is allocated again by to_host; a
         failure leaves none."""
-        tensors = device_tensors(state)
+        tensors = device_tensors(state, self.host_too)
         if self.buffers or self.preparing is not None or not tensors or self.no_room(tensors):
             return
         like = [(tensor.shape, tensor.dtype, self.pin and tensor.device.type == "cuda") for tensor in tensors]
@@ -143,7 +150,7 @@ class HostStaging:
         if self.preparing is not None:
             self.preparing.join()  # its buffers are this copy's
             self.preparing = None
-        tensors = device_tensors(state)
+        tensors = device_tensors(state, self.host_too)
         self.declined = self.no_room(tensors)
         if self.declined:
             self.buffers.clear()
@@ -154,7 +161,7 @@ class HostStaging:
             self.buffers.clear()
             self.declined = f"the host copy failed ({str(exc).splitlines()[0]})"
             return state
-        return map_device_tensors(state, lambda _tensor: next(copies))
+        return map_device_tensors(state, lambda _tensor: next(copies), self.host_too)
 
     def copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors copied into this staging's buffers (one each, in order), complete on return."""
@@ -195,22 +202,22 @@ class HostStaging:
         return fresh
 
 
-def map_device_tensors(value: Any, change: Callable[[torch.Tensor], Any]) -> Any:
-    """`value` with each tensor not on the host replaced by change(tensor), in order (dicts, lists
-    and tuples rebuilt, everything else as it is)."""
+def map_device_tensors(value: Any, change: Callable[[torch.Tensor], Any], host_too: bool = False) -> Any:
+    """`value` with each tensor not on the host (with `host_too`: each tensor) replaced by
+    change(tensor), in order (dicts, lists and tuples rebuilt, everything else as it is)."""
     if isinstance(value, torch.Tensor):
-        return change(value) if value.device.type != "cpu" else value
+        return change(value) if host_too or value.device.type != "cpu" else value
     if isinstance(value, dict):
-        return {key: map_device_tensors(item, change) for key, item in value.items()}
+        return {key: map_device_tensors(item, change, host_too) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(map_device_tensors(item, change) for item in value)
+        return type(value)(map_device_tensors(item, change, host_too) for item in value)
     return value
 
 
-def device_tensors(state: Any) -> list[torch.Tensor]:
-    """The tensors of `state` not on the host, in map_device_tensors' order."""
+def device_tensors(state: Any, host_too: bool = False) -> list[torch.Tensor]:
+    """The tensors of `state` not on the host (with `host_too`: all), in map_device_tensors' order."""
     found: list[torch.Tensor] = []
-    map_device_tensors(state, lambda tensor: found.append(tensor) or tensor)
+    map_device_tensors(state, lambda tensor: found.append(tensor) or tensor, host_too)
     return found
 
 
@@ -275,6 +282,92 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any]) -> Path:
         tmp.unlink(missing_ok=True)  # never leave a partial file
         raise CheckpointWriteError(directory, step, exc) from None
     return final
+
+
+@dataclass
+class Written:
+    """What became of one checkpoint: its file, or the error that lost it. paused_s: how long
+    training waited for it (the wait for the write before it, the state gathered, the host copy, and
+    the write itself where it was not in the background); write_s: the hashing and writing."""
+
+    step: int
+    path: Path | None
+    size: int
+    paused_s: float
+    write_s: float
+    error: CheckpointWriteError | None = None
+    unstaged: str | None = None  # why it was written without a host copy, training waiting for it
+
+
+class CheckpointWriter:
+    """Writes checkpoints, one at a time, on a thread of its own (`background`) or in the caller.
+
+    `start` copies the state into the staging's host buffers (the only part training waits for)
+    and hands them to the thread, which hashes and writes them (save_checkpoint: sealed, fsync'ed,
+    renamed). The next checkpoint's copy goes into the same buffers, so at most one write is in
+    flight: `start` refuses while one is, and the caller waits for it first (`wait`), which also
+    hands over its outcome. Where the host has no room for the copy (HostStaging.declined) the
+    state is the live one, and it is written before `start` returns, as without a background."""
+
+    def __init__(self, staging: HostStaging, background: bool = True):
+        self.staging, self.background = staging, background
+        self.thread: threading.Thread | None = None
+        self.outcome: Written | None = None
+        self.failure: BaseException | None = None  # anything but a write error: a fault, raised here
+        self.last_step: int | None = None  # the step of the last checkpoint started
+
+    @property
+    def in_flight(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def start(self, directory: Path, step: int, state: Any, began: float) -> None:
+        """Copy `state` to the host and write it (`began`: time.perf_counter() when training stopped
+        for this checkpoint)."""
+        if self.thread is not None or self.outcome is not None:
+            raise RuntimeError("a checkpoint write is in flight or unreported: wait() for it first")
+        host = self.staging.to_host(state)
+        unstaged = self.staging.declined
+        self.last_step = step
+        if unstaged or not self.background:
+            self._write(directory, step, host, 0.0, unstaged)
+            self.outcome.paused_s = time.perf_counter() - began
+            return
+        paused = time.perf_counter() - began
+        # Not a daemon: an interpreter leaving by any path waits for the write rather than cut it.
+        self.thread = threading.Thread(
+            target=self._write, args=(directory, step, host, paused), name="checkpoint-writer"
+        )
+        self.thread.start()
+
+    def _write(self, directory: Path, step: int, state: Any, paused: float, unstaged: str | None = None):
+        began = time.perf_counter()
+        try:
+            path = save_checkpoint(directory, step, state)
+            written = time.perf_counter() - began
+            self.outcome = Written(step, path, path.stat().st_size, paused, written, unstaged=unstaged)
+        except CheckpointWriteError as exc:
+            self.outcome = Written(step, None, 0, paused, time.perf_counter() - began, exc, unstaged)
+        except BaseException as exc:  # a fault of the writer's own: the caller's to raise
+            self.failure = exc
+            self.outcome = Written(step, None, 0, paused, time.perf_counter() - began)
+
+    def poll(self) -> Written | None:
+        """The outcome of the write in flight if it has ended (once), else None; never waits."""
+        if self.in_flight:
+            return None
+        return self.wait()
+
+    def wait(self) -> Written | None:
+        """Wait for the write in flight (if any) and hand over its outcome (once); a fault of the
+        writer is raised here."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        outcome, self.outcome = self.outcome, None
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
+        return outcome
 
 
 def remove_partial_writes(directory: Path) -> None:

@@ -20,6 +20,7 @@ import math
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ from ..parallel.replica import Replica, StepLoss
 from ..parallel.sharding import wait_for_parameters
 from ..parallel.topology import ThreadedTopology, ThreadedWorld
 from . import runrecord
-from .checkpoint import HostStaging, prune_checkpoints, save_checkpoint
+from .checkpoint import CheckpointWriter, HostStaging, Written, prune_checkpoints
 from .environment import resolve_devices
 from .flops import FlopShape, peak_flops, squared_conversation_lengths
 from .recompiles import RecompileWatch
@@ -57,6 +58,8 @@ from .resume import (
     this_shape,
 )
 from .sinks import Output, open_output
+from .startup import StartupClock
+from .startup import describe as describe_startup
 
 __all__ = ["BadInput", "Diverged", "train"]  # the command line turns both into exit status 2
 
@@ -142,42 +145,64 @@ def place_workers(cfg: Config) -> Placement:
     return Placement(devices, world, len(devices), this_shape(cfg, len(devices), world))
 
 
-def train(cfg: Config, out_dir: Path, resume: bool) -> int:
-    """Run training to the end or to a signal. Returns the exit code."""
-    place = place_workers(cfg)
+def train(cfg: Config, out_dir: Path, resume: bool, began: float | None = None) -> int:
+    """Run training to the end or to a signal. Returns the exit code. `began`: time.perf_counter()
+    at the trainer's entry, where the startup breakdown counts from (this call otherwise)."""
+    clock = StartupClock(time.perf_counter() if began is None else began)
+    clock.add("imports and config", time.perf_counter() - clock.began)
+    with clock.part("workers placed"):
+        place = place_workers(cfg)
     try:
-        return run_training(cfg, out_dir, resume, place)
+        return run_training(cfg, out_dir, resume, place, clock)
     finally:
         if sys.exc_info()[0] is None:
             place.world.close()
 
 
-def run_training(cfg: Config, out_dir: Path, resume: bool, place: Placement) -> int:
+def run_training(
+    cfg: Config, out_dir: Path, resume: bool, place: Placement, clock: StartupClock | None = None
+) -> int:
     """The run on this process (threads: the only call; processes: one per rank)."""
     world = place.world
-    resume_from = find_resume_point(cfg, out_dir, world) if resume else None
+    clock = clock or StartupClock(time.perf_counter())
+    resume_from = preload = None
+    if resume:
+        preload = TargetLoad.beside_resume(cfg, place.devices[0])
+        try:
+            with clock.part("checkpoint read"):
+                resume_from = find_resume_point(cfg, out_dir, world)
+        except BaseException:
+            if preload is not None:
+                preload.thread.join()  # nothing of the run is left running behind a refusal
+            raise
     out = open_output(cfg, out_dir, writes_files=world.is_lead, prints_lines=world.local_rank == 0)
     stop = StopFlag()
     stop.install()
-    topology = None
+    topology = run = None
     try:
         out.line(describe_run(cfg, out_dir, place))
         if resume and resume_from is None:
             out.line(f"--resume: no checkpoint in {out_dir / 'checkpoints'}; starting from step 0")
-        models = load_models(cfg, place, out)
-        topology = start_topology(cfg, models.replicas, world, out)
+        models = load_models(cfg, place, out, clock, preload)
         # A stop before training: the run stays at its checkpoint's step (0 on a fresh start).
         begun = int(resume_from.state.get("step", 0)) if resume_from is not None else 0
-        if not topology.wait_ready(stop):
+        with clock.part("compile and warm-up"):
+            topology = start_topology(cfg, models.replicas, world, out)
+            ready = topology.wait_ready(stop)
+        if not ready:
             return checkpoint_and_stop(out, stop, world, out_dir, begun)
-        prepared = load_data(cfg, models, place, out, stop)
+        prepared = load_data(cfg, models, place, out, stop, clock)
         if world.any(prepared is None):
             return checkpoint_and_stop(out, stop, world, out_dir, begun)
         run = Run(cfg, out_dir, out, stop, world, topology, models, *prepared, gpus=place.workers)
-        step = run.restore(resume_from, place.shape)
+        run.startup = clock
+        with clock.part("state restore"):
+            step = run.restore(resume_from, place.shape)
         resume_from = None  # the state's tensors are in the model now: drop the copy
         return training_loop(run, step)
     finally:
+        if run is not None:
+            run.close_checkpoints()
         if topology is not None:
             topology.close()
         out.close(stopped=stop())
@@ -211,23 +236,70 @@ def target_and_data_paths(cfg: Config, world: World) -> tuple[Path, Path]:
     return target_path, train_file if cfg.data.train_file else embedded_data
 
 
-def load_models(cfg: Config, place: Placement, out: Output) -> Models:
-    target_path, train_file = target_and_data_paths(cfg, place.world)
-    tokenizer = load_tokenizer(
-        Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else target_path
-    )
+class TargetLoad:
+    """The target loaded on a thread of its own while a resume reads and verifies its checkpoint:
+    both read gigabytes (at the Qwen3-8B recipe's shape the target's 16 GB from safetensors, the
+    checkpoint's 12.6 GB and its SHA-256), and neither needs the other. For a configured
+    model.target_path (the embedded default is built first, by one rank of each host)."""
+
+    def __init__(self, path: Path, device: torch.device, dtype: str):
+        self.path, self.device = path, device
+        self.model: torch.nn.Module | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._load, args=(dtype,), name="target-load", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def beside_resume(cls, cfg: Config, device: torch.device) -> TargetLoad | None:
+        if not cfg.model.target_path:
+            return None
+        return cls(Path(cfg.model.target_path).expanduser(), device, cfg.model.dtype)
+
+    def _load(self, dtype: str) -> None:
+        try:
+            self.model = load_target(self.path, self.device, dtype)
+        except BaseException as exc:  # raised where the target is needed, as a load in line would
+            self.error = exc
+
+    def result(self, path: Path, device: torch.device) -> torch.nn.Module | None:
+        """The target, once loaded (its error raised here); None if it is not the one asked for."""
+        self.thread.join()
+        if (path, device) != (self.path, self.device):
+            return None
+        if self.error is not None:
+            raise self.error
+        return self.model
+
+
+def load_models(
+    cfg: Config,
+    place: Placement,
+    out: Output,
+    clock: StartupClock | None = None,
+    preload: TargetLoad | None = None,
+) -> Models:
+    clock = clock or StartupClock(time.perf_counter())
+    with clock.part("target load"):
+        target_path, train_file = target_and_data_paths(cfg, place.world)
+        tokenizer = load_tokenizer(
+            Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else target_path
+        )
     mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else tokenizer.mask_token_id
     if mask_id is None:
         raise BadInput("the tokenizer has no mask token; set drafter.mask_token_id to a token id")
-    target = load_target(target_path, place.devices[0], cfg.model.dtype)
+    with clock.part("target load"):  # with a preload: the wait for it, beyond the checkpoint read
+        target = preload.result(target_path, place.devices[0]) if preload is not None else None
+        target = target if target is not None else load_target(target_path, place.devices[0], cfg.model.dtype)
     layer_ids = target_layer_ids(num_target_layers(target.config), cfg.drafter.num_context_layers)
     torch.manual_seed(cfg.train.seed)
     replicas: list[Replica] = []
     for index, device in enumerate(place.devices):
-        device_target = target if index == 0 else load_target(target_path, device, cfg.model.dtype)
+        with clock.part("target load"):
+            device_target = target if index == 0 else load_target(target_path, device, cfg.model.dtype)
         rank = place.world.rank + index  # threads: the worker's index; processes: the rank
         first = replicas[0] if replicas else None  # the other workers copy its weights
-        replicas.append(Replica(cfg, device, device_target, layer_ids, mask_id, rank, copy_of=first))
+        with clock.part("drafter build"):
+            replicas.append(Replica(cfg, device, device_target, layer_ids, mask_id, rank, copy_of=first))
     n_params = sum(p.numel() for p in replicas[0].params)
     out.line(
         f"drafter: {cfg.drafter.num_layers} layers, {n_params / 1e6:.2f}M trainable parameters, "
@@ -249,10 +321,14 @@ def start_topology(cfg: Config, replicas: list[Replica], world: World, out: Outp
     return topology
 
 
-def load_data(cfg: Config, models: Models, place: Placement, out: Output, should_stop):
+def load_data(
+    cfg: Config, models: Models, place: Placement, out: Output, should_stop, clock: StartupClock | None = None
+):
     """(loader, held-out prompts), or None when a stop came during the target's regeneration."""
+    clock = clock or StartupClock(time.perf_counter())
     try:
-        examples = regenerated_examples(cfg, models, place, out, should_stop)
+        with clock.part("data preparation"):
+            examples = regenerated_examples(cfg, models, place, out, should_stop)
     except DataError as exc:  # a broken data file: its message names the file (and the line)
         raise BadInput(
             f'{exc}; data.train_file must hold one {{"messages": [...]}} per line, with an assistant turn'
@@ -267,10 +343,11 @@ def load_data(cfg: Config, models: Models, place: Placement, out: Output, should
     store_root = Path(cfg.data.cache_dir).expanduser() / "store"
     total = len(train_examples) if hasattr(train_examples, "__len__") else None
     try:
-        store = open_or_build(
-            store_root, source_key, chat, lambda: train_examples, out.line, total, should_stop
-        )
-        train_set = build_train_set(store, t.seq_len, pad_id, t.packing, t.seed)
+        with clock.part("data store open and pack"):
+            store = open_or_build(
+                store_root, source_key, chat, lambda: train_examples, out.line, total, should_stop
+            )
+            train_set = build_train_set(store, t.seq_len, pad_id, t.packing, t.seed)
     except BuildStopped:
         out.line("data: stopped while building the token store (nothing of it kept)")
         return None
@@ -354,7 +431,14 @@ class Run:
         self.new_best = False  # the evaluation of this step gave the best tau so far
         self.last_save = time.monotonic()  # for train.checkpoint_every_s
         self.stretches: list[dict] = []
-        self.staging = HostStaging()  # rank 0's host copy of a checkpoint, reused by the next one
+        # Rank 0's host copy of a checkpoint, reused by the next one; written in the background
+        # (train.async_checkpoints), a copy of every tensor, the host's too: training changes them.
+        background = cfg.train.async_checkpoints
+        self.staging = HostStaging(host_too=background)
+        self.writer = CheckpointWriter(self.staging, background)
+        self.announcement: tuple[int, str, str] | None = None  # rank 0's last checkpoint written
+        self.startup: StartupClock | None = None  # this start's clock, until its first step is logged
+        self.resumed = False
 
     def restore(self, resume_from: ResumePoint | None, shape: Shape) -> int:
         """The step to start from: 0, or the checkpoint's (its state restored everywhere, on this
@@ -366,6 +450,7 @@ class Run:
             runrecord.note(self.out_dir, stretches=self.stretches)
         if resume_from is None:
             return 0
+        self.resumed = True
         restore(state, self.topology, self.loader, self.cfg.train.seed, shape)
         self.tau0 = state["tau0"] if state["tau0"] >= 0 else None
         self.tau0_step = int(state.get("tau0_step", 0))
@@ -403,6 +488,17 @@ class Run:
         self.warn_about_recompiles()
         return self.tau
 
+    def report_startup(self) -> None:
+        """Where this start's time went, once its first progress line is out: a log line, and the
+        run record's `startup` (a resume's replaces the start's; the log keeps both)."""
+        if self.startup is None:
+            return
+        breakdown = self.startup.breakdown()
+        self.startup = None
+        self.out.line(describe_startup(breakdown, self.resumed))
+        if self.world.local_rank == 0:
+            runrecord.note(self.out_dir, startup={"resumed": self.resumed, "seconds": breakdown})
+
     def prepare_checkpoint(self) -> None:
         """Rank 0 allocates its host copy of a checkpoint while training goes on (HostStaging.prepare),
         for the tensors of checkpoint_state's drafter and optimizer, in that order. A sharded
@@ -416,36 +512,86 @@ class Run:
             state["optimizer"] = first.optimizer.state_dict()
         self.staging.prepare(state)
 
-    def save(self, step: int) -> None:
-        """A checkpoint of this step, written by rank 0 (a collective in the process topology).
+    def save(self, step: int, final: bool = False) -> None:
+        """A checkpoint of this step, written by rank 0 (a collective in the process topology):
+        training waits for the host copy, the write goes on in the background (train.async_checkpoints)
+        and is reported once it is on disk (`collect_checkpoint`); `final` (a stop, the last step)
+        waits for it. The write before it is waited for first: the copy goes into its buffers.
         Weights that are no longer finite are never written: the newest checkpoint stays the last
         finite one."""
+        began = time.perf_counter()
         finite = all(bool(torch.isfinite(p).all()) for p in self.models.replicas[0].params)
         if self.world.any(not finite):
             self.diverged(step, "the drafter's weights are not finite")
-        began = time.monotonic()
+        writer = self.world.is_lead
+        if writer:
+            self.report(self.writer.wait())
+        self.announce()  # the ranks wait here for rank 0's write before: none races into its buffers
         state = checkpoint_state(
             step, self.cfg, self.topology, self.loader, self.tau0, self.stretches, self.tau0_step
         )
-        writer = self.world.is_lead
-        path = None
         if writer:
-            path = save_checkpoint(self.out_dir / "checkpoints", step, self.staging.to_host(state))
-            if self.staging.declined:
-                self.out.line(f"checkpoint step {step}: written without a host copy: {self.staging.declined}")
+            self.writer.start(self.out_dir / "checkpoints", step, state, began)
+        del state  # the live tensors' references: the writer holds its copy
         self.last_save = time.monotonic()
-        if writer:
-            self.out.line(f"checkpoint saved step {step} {path}")
-            runrecord.note(self.out_dir, last_step=step, last_checkpoint=str(path))
-            self.out.line(self.keep_checkpoints(step, path.stat().st_size, self.last_save - began))
-        if self.world.world_size > 1:
-            # The other hosts log where rank 0 put it once it is there (stop.yml reports that line
-            # on every host); rank 0's file is the run's only checkpoint.
-            host, saved = self.world.gather((socket.gethostname(), str(path)) if writer else None)[0]
-            if not writer:
-                self.out.line(f"checkpoint saved step {step} by rank 0 on {host}: {saved}")
+        if final or not self.cfg.train.async_checkpoints:
+            if writer:
+                self.report(self.writer.wait(), final=final)
+            self.announce()
 
-    def keep_checkpoints(self, step: int, size: int, seconds: float) -> str:
+    def save_final(self, step: int) -> None:
+        self.save(step, final=True)
+
+    def collect_checkpoint(self) -> None:
+        """Report rank 0's background write if it has ended since (never waits for it)."""
+        if self.world.is_lead:
+            self.report(self.writer.poll())
+
+    def close_checkpoints(self) -> None:
+        """On the way out of a run that raised: wait for rank 0's write in flight, say what became of it."""
+        if not self.world.is_lead:
+            return
+        try:
+            written = self.writer.wait()
+        except Exception as exc:  # the writer's own fault, beside the one that ends the run
+            self.out.line(f"checkpoint step {self.writer.last_step} not saved: {type(exc).__name__}: {exc}")
+            return
+        self.report(written, then="")
+
+    def report(self, written: Written | None, final: bool = False, then: str | None = None) -> None:
+        """Rank 0's lines and run record for a checkpoint whose write has ended; the older ones
+        pruned once it is on disk. A write that failed (a full disk, say) loses that checkpoint only:
+        training goes on and the next one tries again; at a stop or the end it ends the run."""
+        if written is None:
+            return
+        step = written.step
+        if written.unstaged:
+            self.out.line(f"checkpoint step {step}: written without a host copy: {written.unstaged}")
+        if written.error is not None:
+            runrecord.note(self.out_dir, checkpoint_lost={"step": step, "reason": str(written.error)})
+            if final:
+                raise written.error
+            if then is None:
+                then = "; training goes on, and the next checkpoint tries again"
+            self.out.line(f"checkpoint step {step} not saved: {written.error}{then}")
+            return
+        self.out.line(f"checkpoint saved step {step} {written.path}")
+        runrecord.note(self.out_dir, last_step=step, last_checkpoint=str(written.path), checkpoint_lost=None)
+        self.out.line(self.keep_checkpoints(written))
+        self.announcement = (step, socket.gethostname(), str(written.path))
+
+    def announce(self) -> None:
+        """A collective of several ranks: the others log where rank 0 put its last checkpoint once
+        it is on disk (stop.yml reports that line on every host); rank 0's file is the run's only one."""
+        announced, self.announcement = self.announcement, None
+        if self.world.world_size == 1:
+            return
+        note = self.world.gather(announced if self.world.is_lead else None)[0]
+        if note is not None and not self.world.is_lead:
+            step, host, saved = note
+            self.out.line(f"checkpoint saved step {step} by rank 0 on {host}: {saved}")
+
+    def keep_checkpoints(self, written: Written) -> str:
         """Remove the checkpoints train.keep_checkpoints lets go (the new one is complete on disk);
         one line for the log: what the checkpoint cost, and what is kept."""
         directory = self.out_dir / "checkpoints"
@@ -456,7 +602,10 @@ class Run:
         protected = {best} if best is not None else set()
         removed = prune_checkpoints(directory, self.cfg.train.keep_checkpoints, protected)
         kept = ", ".join(str(saved_step) for saved_step in saved if saved_step not in removed)
-        line = f"checkpoint step {step}: {size / 2**30:.2f} GiB written in {seconds:.1f} s; kept steps {kept}"
+        line = (
+            f"checkpoint step {written.step}: training paused {written.paused_s:.2f} s; "
+            f"{written.size / 2**30:.2f} GiB written in {written.write_s:.1f} s; kept steps {kept}"
+        )
         if best is not None:
             line += f" (best tau {taus[best]:.3f} at step {best})"
         return line + (f"; removed steps {', '.join(map(str, removed))}" if removed else "")
@@ -616,18 +765,22 @@ def training_loop(run: Run, step: int) -> int:
     total = cfg.train.steps
     # The step-0 evaluation of a fresh start runs after the first step's progress line, on a copy
     # of the step-0 weights: launch.yml waits for that line, and the recipe's evaluation (32 prompts
-    # of 256 new tokens, an untrained drafter needing a verify step a token) takes minutes.
-    initial = host_copy(run.models.replicas[0].drafter) if run.tau0 is None and step == 0 else None
-    if run.tau0 is None and initial is None:  # a resumed run whose step-0 evaluation did not finish
+    # of 256 new tokens, an untrained drafter needing a verify step a token) takes minutes. A resumed
+    # run whose step-0 evaluation did not finish evaluates its resumed step's weights in its stead,
+    # the same way: after its first step.
+    initial = host_copy(run.models.replicas[0].drafter) if run.tau0 is None and step < total else None
+    if run.tau0 is None and initial is None:  # resumed at the last step: nothing to train first
         run.tau0, run.tau0_step = run.evaluate(step), step
         if run.tau0 is None:
-            return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
+            return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save_final)
     run.tau = run.tau if run.tau is not None else run.tau0
     meter = Throughput(total, run.gpus, peak_flops(run.models.replicas[0].device))
     started = step
+    first_step_began = time.perf_counter()
     while step < total:
+        run.collect_checkpoint()
         if run.world.any(run.stop()):
-            return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
+            return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save_final)
         loss, batch, _ = train_step(run.topology, run.loader)
         step += 1
         meter.add(count_batch(batch, cfg.drafter.num_anchors, run.flop_shape))
@@ -642,20 +795,24 @@ def training_loop(run: Run, step: int) -> int:
             loss = float(loss)
             if not math.isfinite(loss):
                 run.diverged(step, f"the loss is {loss}")
+        if first and run.startup is not None:
+            run.startup.add("first step", time.perf_counter() - first_step_began)
         if logs or first:
             run.log_progress(step, loss, meter, row=logs)
         if first:
+            run.report_startup()
             run.prepare_checkpoint()
         if initial is not None:
-            run.tau0, initial = run.evaluate(0, weights=initial), None
+            run.tau0, run.tau0_step = run.evaluate(started, weights=initial), started
+            initial = None
             if run.tau0 is None:
-                return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
+                return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save_final)
             run.tau = run.tau if run.tau is not None else run.tau0
         run.new_best = False
         if (step == total or every(step, cfg.train.eval_every)) and run.evaluate(step) is None:
-            return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save)
+            return checkpoint_and_stop(run.out, run.stop, run.world, run.out_dir, step, run.save_final)
         if saves or (run.new_best and cfg.train.keep_checkpoints):
-            run.save(step)
+            run.save(step, final=step == total)
     return run.finish(step)
 
 

@@ -1,0 +1,129 @@
+"""The startup breakdown: where a start's time goes before its first step, adding up to the time
+measured from the trainer's entry, in the log and in the run record."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from trainer.run import runrecord
+from trainer.run.startup import ORDER, StartupClock, describe
+from trainer.run.train import Run
+
+pytestmark = pytest.mark.unit
+
+LINE = re.compile(
+    r"^startup: ([0-9.]+) s from the trainer's start to the first step \((a start|a resume)\): (.*)$"
+)
+
+
+def parts_of(line: str) -> tuple[float, str, dict[str, float]]:
+    """(the total, start or resume, {part: seconds}) of a startup line."""
+    match = LINE.match(line)
+    assert match, line
+    parts = dict(re.fullmatch(r"(.+) ([0-9.]+) s", item).groups() for item in match.group(3).split(", "))
+    return float(match.group(1)), match.group(2), {name: float(seconds) for name, seconds in parts.items()}
+
+
+def test_the_parts_and_other_add_up_to_the_time_since_the_entry():
+    clock = StartupClock(began=100.0)
+    clock.add("target load", 20.0)
+    clock.add("compile and warm-up", 45.5)
+    clock.add("target load", 1.0)  # a part met twice adds up
+    breakdown = clock.breakdown(now=170.0)
+    assert breakdown == {"target load": 21.0, "compile and warm-up": 45.5, "other": 3.5, "total": 70.0}
+    assert list(breakdown)[:2] == ["target load", "compile and warm-up"], "in the order a start goes"
+
+
+def test_a_part_is_timed_also_when_it_raises():
+    clock = StartupClock(time.perf_counter())
+    with pytest.raises(RuntimeError), clock.part("first step"):
+        time.sleep(0.02)
+        raise RuntimeError("the step failed")
+    assert clock.seconds["first step"] >= 0.02
+
+
+def test_an_unknown_part_is_refused_by_name():
+    with pytest.raises(ValueError, match="no startup part 'warmup'; the parts are imports and config"):
+        StartupClock(0.0).add("warmup", 1.0)
+
+
+def test_the_line_names_every_part_then_other_and_reads_back():
+    breakdown = {"target load": 21.0, "first step": 1.62, "other": 3.5, "total": 26.12}
+    line = describe(breakdown, resumed=True)
+    total, kind, parts = parts_of(line)
+    assert (total, kind) == (26.1, "a resume")
+    assert parts == {"target load": 21.0, "first step": 1.6, "other": 3.5}
+    assert set(ORDER) >= set(parts) - {"other"}
+
+
+def test_the_run_record_keeps_the_breakdown(tmp_path):
+    runrecord.write_record(tmp_path, {"pid": os.getpid(), "state": "running"})
+    lines: list[str] = []
+    run = SimpleNamespace(
+        startup=StartupClock(time.perf_counter() - 2.0), resumed=False, out_dir=tmp_path,
+        out=SimpleNamespace(line=lines.append), world=SimpleNamespace(local_rank=0),
+    )  # fmt: skip
+    run.startup.add("target load", 1.5)
+    Run.report_startup(run)
+    Run.report_startup(run)  # once a start
+    assert len(lines) == 1 and parts_of(lines[0])[1] == "a start"
+    kept = runrecord.read_record(tmp_path)["startup"]
+    assert kept["resumed"] is False and kept["seconds"]["target load"] == 1.5
+    seconds = kept["seconds"]
+    assert sum(v for k, v in seconds.items() if k != "total") == pytest.approx(seconds["total"], abs=0.02)
+
+
+def test_a_resume_loads_the_target_while_it_reads_its_checkpoint(tmp_path, monkeypatch):
+    """The target's load begins before the checkpoint read ends; a refused checkpoint leaves no
+    load running behind it."""
+    import threading
+
+    import torch
+
+    from trainer.config import load_config
+    from trainer.parallel.topology import ThreadedWorld
+    from trainer.run import train as train_module
+
+    loading = threading.Event()
+    seen: dict[str, object] = {}
+
+    def slow_load(path, device, dtype):
+        seen["target"] = (path, device, dtype)
+        loading.set()
+        time.sleep(0.2)
+        return object()
+
+    def read_checkpoint(cfg, out_dir, world):
+        seen["overlapped"] = loading.wait(10)  # bounded: a load in line would never start
+        raise train_module.BadInput("checkpoint refused")
+
+    monkeypatch.setattr(train_module, "load_target", slow_load)
+    monkeypatch.setattr(train_module, "find_resume_point", read_checkpoint)
+    cfg = load_config("eager", None, [f"model.target_path={tmp_path / 'target'}"])
+    place = train_module.Placement([torch.device("cpu")], ThreadedWorld(), 1, None)
+    with pytest.raises(train_module.BadInput, match="checkpoint refused"):
+        train_module.run_training(cfg, tmp_path / "out", True, place)
+    assert seen["overlapped"] is True
+    assert seen["target"] == (tmp_path / "target", torch.device("cpu"), cfg.model.dtype)
+    assert not [t for t in threading.enumerate() if t.name == "target-load"]
+    assert not (tmp_path / "out").exists(), "refused before anything was written"
+
+
+def test_a_target_load_beside_the_resume_raises_its_error_where_the_target_is_needed(tmp_path, monkeypatch):
+    import torch
+
+    from trainer.run import train as train_module
+
+    def failing(path, device, dtype):
+        raise OSError(f"no model in {path}")
+
+    monkeypatch.setattr(train_module, "load_target", failing)
+    load = train_module.TargetLoad(tmp_path, torch.device("cpu"), "float32")
+    assert load.result(tmp_path / "other", torch.device("cpu")) is None, "another target: loaded in line"
+    with pytest.raises(OSError, match="no model in"):
+        load.result(tmp_path, torch.device("cpu"))

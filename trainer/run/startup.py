@@ -1,0 +1,65 @@
+"""Where a start's time goes, from the trainer's entry to its first progress line.
+
+A start (or a resume) spends a minute and more at the recipe's shape before its first step; the
+breakdown names the parts (`StartupClock.part`), and whatever no part covers is `other`, so the
+parts add up to the measured time. Printed once, after the first step's progress line, and kept in
+the run record (`startup`), where scripts read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+ORDER = (
+    "imports and config",
+    "workers placed",
+    "checkpoint read",
+    "target load",
+    "drafter build",
+    "compile and warm-up",
+    "data preparation",
+    "data store open and pack",
+    "state restore",
+    "first step",
+)
+"""The parts in the order a start goes through them (the breakdown lists them so, `other` last)."""
+
+
+class StartupClock:
+    """Seconds spent in named parts of a start since `began` (time.perf_counter() at the entry)."""
+
+    def __init__(self, began: float):
+        self.began = began
+        self.seconds: dict[str, float] = {}
+        self.reported = False
+
+    def add(self, name: str, seconds: float) -> None:
+        if name not in ORDER:
+            raise ValueError(f"no startup part {name!r}; the parts are {', '.join(ORDER)}")
+        self.seconds[name] = self.seconds.get(name, 0.0) + max(0.0, seconds)
+
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - began)
+
+    def breakdown(self, now: float | None = None) -> dict[str, float]:
+        """{part: seconds, ..., "other": the rest, "total": entry to now}, rounded to 0.01 s; the
+        parts and other add up to the total (to the rounding)."""
+        total = (time.perf_counter() if now is None else now) - self.began
+        parts = {name: self.seconds[name] for name in ORDER if name in self.seconds}
+        parts["other"] = max(0.0, total - sum(parts.values()))
+        parts["total"] = total
+        return {name: round(seconds, 2) for name, seconds in parts.items()}
+
+
+def describe(breakdown: dict[str, float], resumed: bool) -> str:
+    """One log line: `startup: 86.4 s from the trainer's start to the first step: target load 20.1 s, ...`."""
+    what = "a resume" if resumed else "a start"
+    parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in breakdown.items() if name != "total")
+    return f"startup: {breakdown['total']:.1f} s from the trainer's start to the first step ({what}): {parts}"
