@@ -257,4 +257,8 @@ def worker_main() -> int:
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        # Not a command for people: the parent hands the job on stdin (this module's docstring).
+        print(f"usage: python -m trainer.data.regen_worker < PICKLED_JOB\n\n{__doc__}")
+        sys.exit(0)
     sys.exit(worker_main())
