@@ -230,3 +230,50 @@ def test_the_run_output_tells_the_trackers_how_the_trainer_ended(tmp_path, stand
         except ValueError:
             pass
         assert stand_in.calls[-1] == ("end", told)
+
+
+def test_a_tracker_entry_of_the_wrong_type_is_said_once_and_a_new_tracker_run_begins(tmp_path, stand_in):
+    (tmp_path / "trackers.json").write_text(json.dumps({"mlflow": [1, 2], "wandb": {"id": "keep1234"}}))
+    lines: list[str] = []
+    trackers = open_trackers(tmp_path, lines)
+    trackers.metric({"kind": "train", "step": 1, "loss": 1.0})
+    trackers.close("finished")
+    assert lines == ["trackers: trackers.json: mlflow is '[1, 2]', not an object; a new mlflow run begins"]
+    assert stand_in.calls == [("start", {}), ("metric", 1), ("end", "finished")]
+    # The damaged entry is not written back; another tracker's entry is kept.
+    assert json.loads((tmp_path / "trackers.json").read_text()) == {
+        "mlflow": {"run_id": "r1", "events_sent": 0},
+        "wandb": {"id": "keep1234"},
+    }
+
+
+def test_a_run_id_of_the_wrong_type_begins_a_new_tracker_run(tmp_path, stand_in):
+    (tmp_path / "trackers.json").write_text(json.dumps({"mlflow": {"run_id": 7, "events_sent": 2}}))
+    lines: list[str] = []
+    open_trackers(tmp_path, lines).close("finished")
+    assert lines == ["trackers: trackers.json: mlflow run_id is '7', not a name; a new mlflow run begins"]
+    assert stand_in.calls[0] == ("start", {})
+
+
+@pytest.mark.parametrize("sent", ["x", -3, 1.5, True, None])
+def test_a_bad_count_of_sent_events_sends_them_again_and_is_not_written_back(tmp_path, stand_in, sent):
+    (tmp_path / "trackers.json").write_text(json.dumps({"mlflow": {"run_id": "r1", "events_sent": sent}}))
+    (tmp_path / "events.jsonl").write_text(
+        "".join(json.dumps({"event": name, "text": name}) + "\n" for name in ("start", "crash"))
+    )
+    lines: list[str] = []
+    trackers = open_trackers(tmp_path, lines)
+    trackers.metric({"kind": "train", "step": 1, "loss": 1.0})
+    trackers.close("finished")
+    assert lines == [
+        f"trackers: trackers.json: mlflow events_sent is {str(sent)!r}, not a count of events; mlflow is "
+        "sent every event again from the first"
+    ]
+    # The tracker's thread lived on: every event, then its end.
+    assert stand_in.calls == [
+        ("start", {"run_id": "r1", "events_sent": 0}), ("metric", 1), ("event", 1, "start"),
+        ("event", 2, "crash"), ("end", "finished"),
+    ]  # fmt: skip
+    assert json.loads((tmp_path / "trackers.json").read_text()) == {
+        "mlflow": {"run_id": "r1", "events_sent": 2}
+    }

@@ -189,6 +189,19 @@ class WandbTracker:
 
 
 TRACKER_CLASSES = {"mlflow": MlflowTracker, "wandb": WandbTracker}
+# The fields of each tracker's entry in trackers.json that name its run (strings, when present).
+RUN_FIELDS = {"mlflow": ("store", "run_id"), "wandb": ("id",)}
+
+
+def state_damage(name: str, state: Any) -> str | None:
+    """What is wrong with one tracker's entry of trackers.json, or None."""
+    if not isinstance(state, dict):
+        return f"is {str(state)[:40]!r}, not an object"
+    for field in RUN_FIELDS.get(name, ()):
+        value = state.get(field)
+        if field in state and not (isinstance(value, str) and value):
+            return f"{field} is {str(value)[:40]!r}, not a name"
+    return None
 
 
 class Trackers:
@@ -242,7 +255,31 @@ class Trackers:
                 f"trackers: {TRACKERS_FILE} is unreadable ({type(exc).__name__}); new tracker runs begin"
             )
             return {}
-        return state if isinstance(state, dict) else {}
+        if not isinstance(state, dict):
+            self.warn(
+                f"trackers: {TRACKERS_FILE} holds {type(state).__name__}, not an object of tracker "
+                "states; new tracker runs begin"
+            )
+            return {}
+        return {name: self.checked(name, value) for name, value in state.items()}
+
+    def checked(self, name: str, state: Any) -> Any:
+        """One tracker's entry of trackers.json as its thread can use it: a damaged one is said
+        once, with what happens now, and replaced (never written back as it was)."""
+        if name not in TRACKER_CLASSES:
+            return state  # another tracker's: kept as it is for a later run that reports to it
+        damage = state_damage(name, state)
+        if damage:
+            self.warn(f"trackers: {TRACKERS_FILE}: {name} {damage}; a new {name} run begins")
+            return {}
+        sent = state.get("events_sent", 0)
+        if isinstance(sent, bool) or not isinstance(sent, int) or sent < 0:
+            self.warn(
+                f"trackers: {TRACKERS_FILE}: {name} events_sent is {str(sent)[:40]!r}, not a count of "
+                f"events; {name} is sent every event again from the first"
+            )
+            return {**state, "events_sent": 0}
+        return state
 
     def save(self, name: str, state: dict[str, Any]) -> None:
         """One tracker's state into <out>/trackers.json, replaced whole (a crash mid-write leaves
