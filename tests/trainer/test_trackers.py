@@ -4,15 +4,18 @@ down and a package that is missing cost one warning each, and the run finishes."
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
 import struct
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
+import torch
 
 from .conftest import REPO, run_trainer
 
@@ -188,3 +191,89 @@ def test_a_tracker_down_and_a_package_missing_cost_one_warning_each(tmp_path, ca
     files = "".join(path.read_text() for path in out.iterdir() if path.is_file())
     assert "hunter2" not in result.stdout + result.stderr + files and uri not in files
     assert not (out / "trackers.json").exists()  # no tracker run began
+
+
+class Watching:
+    """A tracker that counts, when the run closes its trackers, the drafter replicas still alive
+    and the CUDA memory still allocated: the trainer gives them back before waiting for any tracker."""
+
+    name = "mlflow"
+    seen: typing.ClassVar[list] = []
+
+    def __init__(self, out_dir, run_name):
+        pass
+
+    def start(self, state, config):
+        return {}
+
+    def metric(self, row):
+        pass
+
+    def event(self, index, row):
+        pass
+
+    def end(self, outcome):
+        from trainer.parallel.replica import Replica
+
+        gc.collect()
+        alive = sum(type(thing) is Replica for thing in gc.get_objects())
+        allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        Watching.seen.append((outcome, alive, allocated))
+
+
+def released_at_the_end(tmp_path, cache_dir, monkeypatch, devices: str) -> list:
+    from trainer.config import load_config
+    from trainer.run import trackers
+    from trainer.run.train import train
+
+    monkeypatch.setitem(trackers.TRACKER_CLASSES, "mlflow", Watching)
+    Watching.seen = []
+    machine = tmp_path / "machine.yml"
+    machine.write_text(f"data:\n  cache_dir: {cache_dir}\nlog:\n  report_to: [mlflow]\n")
+    overrides = [
+        "train.steps=2",
+        "train.eval_prompts=2",
+        "train.eval_max_new_tokens=4",
+        f"parallel.devices={devices}",
+    ]
+    assert train(load_config("eager", str(machine), overrides), tmp_path / "run", resume=False) == 0
+    return Watching.seen
+
+
+def test_the_models_are_given_back_before_the_trackers_are_waited_for(tmp_path, cache_dir, monkeypatch):
+    assert released_at_the_end(tmp_path, cache_dir, monkeypatch, "cpu") == [("finished", 0, 0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
+def test_the_gpu_memory_is_given_back_before_the_trackers_are_waited_for(tmp_path, cache_dir, monkeypatch):
+    assert released_at_the_end(tmp_path, cache_dir, monkeypatch, "cuda:0") == [("finished", 0, 0)]
+
+
+def test_tracker_servers_that_are_down_cost_one_line_each_and_no_traceback(tmp_path, cache_dir):
+    for name in ("mlflow", "wandb"):
+        pytest.importorskip(name)
+    machine = tmp_path / "machine.yml"
+    machine.write_text(f"data:\n  cache_dir: {cache_dir}\nlog:\n  report_to: [mlflow, wandb]\n")
+    out = tmp_path / "run"
+    # MLflow's and wandb's own retry settings left as they are: the trainer bounds them.
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("MLFLOW_", "WANDB_"))}
+    env |= {
+        "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}",
+        "WANDB_BASE_URL": f"http://127.0.0.1:{free_port()}",
+        "WANDB_API_KEY": "local-" + "0123456789abcdef" * 3,  # made up: nothing listens there
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer", "--run", "eager", "--config", str(machine), "--out", str(out),
+         "--steps", "2", *SHORT],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (out / "train.log").read_text().splitlines()
+    said = [line for line in log if line.startswith(("tracker", "trackers"))]
+    mlflow = [line for line in said if line.startswith("tracker mlflow: cannot start (")]
+    wandb = [line for line in said if line.startswith("tracker wandb: cannot start (")]
+    assert len(mlflow) == len(wandb) == 1, said
+    assert "Connection refused" in mlflow[0] and "the run goes on without it" in wandb[0]
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
+    assert any(line.startswith("done: step 2") for line in log)

@@ -4,6 +4,7 @@ step, a bounded end), with stand-in trackers instead of MLflow and wandb."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import typing
@@ -121,9 +122,16 @@ def test_a_slow_tracker_never_holds_a_step_and_the_end_is_bounded(tmp_path, stan
     for step in range(50):
         trackers.metric({"kind": "train", "step": step, "loss": 1.0})
     assert time.monotonic() - began < 0.5
-    trackers.close("finished")
+    waits: list[str] = []
+    trackers.close("finished", waiting=waits.append)
     assert time.monotonic() - began < 2.0
-    assert len(lines) == 1 and lines[0].startswith("trackers: mlflow still busy after 0.5s")
+    said = "waiting at most 0.5s for tracker(s) mlflow to send what is left"
+    assert waits == [said]
+    assert lines == [
+        f"trackers: {said}",
+        "tracker mlflow: still sending (no answer from its server yet) after 0.5s; the run ends without "
+        "it (what did not reach it is in metrics.jsonl and events.jsonl)",
+    ]
 
 
 def test_events_go_once_and_a_resume_continues_the_same_tracker_run(tmp_path, stand_in):
@@ -201,9 +209,40 @@ def test_a_hanging_tracker_holds_up_no_other(tmp_path, stand_in, monkeypatch):
         Hanging.release.set()
     assert stand_in.calls == [("start", {}), ("metric", 1), ("end", "finished")]
     assert lines == [
-        "trackers: wandb still busy after 0.5s; the run ends without waiting (what did not reach a "
-        "tracker is in metrics.jsonl and events.jsonl)"
+        "trackers: waiting at most 0.5s for tracker(s) wandb to send what is left",
+        "tracker wandb: still starting (no answer from its server yet) after 0.5s; the run ends without "
+        "it (what did not reach it is in metrics.jsonl and events.jsonl)",
     ]
+
+
+def test_trackers_that_end_at_once_are_not_waited_for_aloud(tmp_path, stand_in):
+    lines: list[str] = []
+    waits: list[str] = []
+    open_trackers(tmp_path, lines).close("finished", waiting=waits.append)
+    assert (lines, waits) == ([], [])
+    assert stand_in.calls[-1] == ("end", "finished")
+
+
+def test_a_tracker_that_fails_after_the_end_says_nothing_into_the_closed_log(tmp_path, stand_in, monkeypatch):
+    """The run's log is closed after the trackers' wait: a thread still busy then never writes to it."""
+    from trainer.run.sinks import FileOutput
+
+    monkeypatch.setattr(trackers_module, "CLOSE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(trackers_module, "QUIET_WAIT_S", 0.1, raising=False)
+    stand_in.hold.clear()
+    stand_in.fail_on = "metric"
+    out = FileOutput(tmp_path, load_config("eager", None, ["log.report_to=mlflow"]))
+    worker = out.trackers.workers[0]
+    out.metric({"kind": "train", "step": 1, "loss": 1.0})
+    out.close()
+    errors: list = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    stand_in.hold.set()  # the held call now fails, after the log was closed
+    worker.thread.join(5)
+    assert not worker.thread.is_alive()
+    assert errors == []
+    log = (tmp_path / "train.log").read_text()
+    assert "still sending" in log and "metric failed" not in log
 
 
 def test_the_run_output_tells_the_trackers_how_the_trainer_ended(tmp_path, stand_in):
@@ -277,3 +316,31 @@ def test_a_bad_count_of_sent_events_sends_them_again_and_is_not_written_back(tmp
     assert json.loads((tmp_path / "trackers.json").read_text()) == {
         "mlflow": {"run_id": "r1", "events_sent": 2}
     }
+
+
+def test_a_long_error_keeps_its_cause_at_the_end():
+    text = "MlflowException: API request to http://127.0.0.1:9/api failed with exception " + "x" * 400
+    said = redact(text + " [Errno 111] Connection refused")
+    assert said.startswith("MlflowException: API request to") and said.endswith(
+        "[Errno 111] Connection refused"
+    )
+    assert len(said) < 310
+
+
+def test_while_the_run_waits_for_its_trackers_its_record_says_exiting(tmp_path, stand_in, monkeypatch):
+    from trainer.run import runrecord
+    from trainer.run.sinks import FileOutput
+
+    monkeypatch.setattr(trackers_module, "CLOSE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(trackers_module, "QUIET_WAIT_S", 0.1)
+    runrecord.write_record(
+        tmp_path, {"run": "eager", "run_id": "eager-1", "pid": os.getpid(), "state": "finished"}
+    )
+    out = FileOutput(tmp_path, load_config("eager", None, ["log.report_to=mlflow"]))
+    stand_in.hold.clear()
+    out.metric({"kind": "train", "step": 1, "loss": 1.0})
+    out.close()
+    record = runrecord.read_record(tmp_path)
+    waiting = "waiting at most 0.3s for tracker(s) mlflow to send what is left"
+    assert (record["state"], record["stage"], record["exiting"]) == ("finished", "exiting", waiting)
+    assert f"trackers: {waiting}" in (tmp_path / "train.log").read_text()

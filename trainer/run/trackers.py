@@ -18,7 +18,10 @@ A resumed run continues the same tracker runs: their ids are kept in <out>/track
 many events each one was already sent. Each tracker works on a thread of its own, so a slow or
 unreachable server never holds a training step nor another tracker; a tracker that fails (package
 missing, server down, a call refused) costs one warning line and is left out for the rest of this
-process, and at the end the run waits at most CLOSE_TIMEOUT_S for the trackers to finish.
+process. At the end (after the trainer has let go of its GPU memory) the run waits at most
+CLOSE_TIMEOUT_S (15 s) for the trackers to send what is left, says so in one line and notes
+`stage: exiting` in its run record meanwhile (status says `exiting`); a tracker still busy then is
+named with what it was doing, and the process ends without it.
 """
 
 from __future__ import annotations
@@ -39,7 +42,15 @@ from typing import Any
 from .events import read_events
 
 TRACKERS_FILE = "trackers.json"
-CLOSE_TIMEOUT_S = 60.0
+CLOSE_TIMEOUT_S = 15.0
+# Trackers that end within this are waited for without a word.
+QUIET_WAIT_S = 1.0
+# MLflow's REST client retries a server that does not answer for about two minutes by default: a
+# few tries with short timeouts tell within the end's wait that it is down, and why. The user's own
+# settings of these variables win.
+MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+# wandb.init waits this long for its server (wandb's own default is 90 s).
+WANDB_INIT_TIMEOUT_S = 10.0
 QUEUE_SIZE = 10_000
 PACKAGES = {"mlflow": "mlflow-skinny==3.17.2", "wandb": "wandb==0.31.0"}
 # Environment variables whose values are secrets: never in a warning, a log line or trackers.json.
@@ -66,7 +77,8 @@ def redact(text: str) -> str:
             text = text.replace(value, f"<{name}>")
     text = re.sub(r"//[^/@\s]+@", "//<credentials>@", text)
     line = next((part.strip() for part in text.splitlines() if part.strip()), "")
-    return line[:300]
+    # A long error's cause is at its end (`... Caused by ...: [Errno 111] Connection refused`).
+    return line if len(line) <= 300 else f"{line[:150]} ... {line[-145:]}"
 
 
 def metric_values(row: dict[str, Any]) -> dict[str, float]:
@@ -91,6 +103,8 @@ class MlflowTracker:
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             # MLflow 3 keeps its file store only on request; it needs no server and no database.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        for name, value in MLFLOW_HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
         from mlflow import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)
@@ -155,7 +169,9 @@ class WandbTracker:
             secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)
         )
         # console off: the trainer's stdout is the run's log and stays as it is.
-        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
+        settings = wandb.Settings(
+            console="off", silent=True, x_disable_stats=True, init_timeout=WANDB_INIT_TIMEOUT_S
+        )
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or "dflash", name=self.run_name, id=run_id,
             resume="allow", dir=str(self.out_dir), mode=mode, config=config, settings=settings,
@@ -209,7 +225,8 @@ class Trackers:
     one that hangs holds neither a step nor the others."""
 
     def __init__(self, names: list[str], out_dir: Path, config: dict[str, Any], warn: Callable[[str], None]):
-        self.out_dir, self.warn = out_dir, warn
+        self.out_dir, self.say = out_dir, warn
+        self.closed = False  # after close: the run's log is closed, a late thread's words are dropped
         self.lock = threading.Lock()  # trackers.json, written by every tracker's thread
         self.unwritable = False
         self.state = self.read_state()
@@ -224,21 +241,41 @@ class Trackers:
         for worker in self.workers:
             worker.submit(("metric", row))
 
-    def close(self, outcome: str) -> None:
+    def warn(self, text: str) -> None:
+        if not self.closed:
+            self.say(text)
+
+    def close(self, outcome: str, waiting: Callable[[str], None] | None = None) -> None:
         """Send what is left and end each tracker's run, waiting at most CLOSE_TIMEOUT_S in all.
-        outcome: finished, stopped, or crashed: <the exception> (which the trackers are told)."""
+        outcome: finished, stopped, or crashed: <the exception> (which the trackers are told).
+        waiting(what): called once where the wait is longer than a moment (the run record notes it)."""
         outcome = redact(outcome)
         for worker in self.workers:
             worker.submit(("end", outcome))
-        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        began = time.monotonic()
+        self.join(began + min(QUIET_WAIT_S, CLOSE_TIMEOUT_S))
+        busy = self.busy()
+        if busy:
+            names = ", ".join(busy)
+            what = f"waiting at most {CLOSE_TIMEOUT_S:g}s for tracker(s) {names} to send what is left"
+            self.warn(f"trackers: {what}")
+            if waiting is not None:
+                waiting(what)
+            self.join(began + CLOSE_TIMEOUT_S)
+        for worker in self.workers:
+            if worker.thread.is_alive():
+                self.warn(
+                    f"tracker {worker.tracker.name}: still {worker.doing} after {CLOSE_TIMEOUT_S:g}s; the "
+                    "run ends without it (what did not reach it is in metrics.jsonl and events.jsonl)"
+                )
+        self.closed = True
+
+    def join(self, deadline: float) -> None:
         for worker in self.workers:
             worker.thread.join(max(0.0, deadline - time.monotonic()))
-        busy = [worker.tracker.name for worker in self.workers if worker.thread.is_alive()]
-        if busy:
-            self.warn(
-                f"trackers: {', '.join(busy)} still busy after {CLOSE_TIMEOUT_S:g}s; the run ends without "
-                "waiting (what did not reach a tracker is in metrics.jsonl and events.jsonl)"
-            )
+
+    def busy(self) -> list[str]:
+        return [worker.tracker.name for worker in self.workers if worker.thread.is_alive()]
 
     def lost(self, name: str, what: str, exc: Exception) -> None:
         """The one warning line of a tracker that is left out from now on."""
@@ -308,6 +345,8 @@ class TrackerWorker:
         self.queue: queue.Queue = queue.Queue(QUEUE_SIZE)
         self.dead = self.dropped = False
         self.events_seen = -1  # the size of events.jsonl when last read
+        # What a tracker still busy at the end was doing, for the line that says so.
+        self.doing = "starting (no answer from its server yet)"
         self.thread = threading.Thread(target=self.work, name=f"tracker-{tracker.name}", daemon=True)
         self.thread.start()
 
@@ -328,7 +367,9 @@ class TrackerWorker:
         if not self.start():
             return
         while True:
+            self.doing = "waiting for rows"
             kind, value = self.queue.get()
+            self.doing = "sending (no answer from its server yet)"
             if kind == "metric" and not self.call("metric", value):
                 return
             if not self.forward_events():

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,12 +154,46 @@ def train(cfg: Config, out_dir: Path, resume: bool) -> int:
 
 
 def run_training(cfg: Config, out_dir: Path, resume: bool, place: Placement) -> int:
-    """The run on this process (threads: the only call; processes: one per rank)."""
+    """The run on this process (threads: the only call; processes: one per rank). Its output is
+    closed (the trackers waited for) only once the models' memory is given back."""
     world = place.world
-    resume_from = find_resume_point(cfg, out_dir, world) if resume else None
+    # In a list that train_models empties: no frame but its own holds the checkpoint's tensors.
+    resume_from = [find_resume_point(cfg, out_dir, world) if resume else None]
     out = open_output(cfg, out_dir, writes_files=world.is_lead, prints_lines=world.local_rank == 0)
     stop = StopFlag()
     stop.install()
+    try:
+        return train_models(cfg, out_dir, resume, resume_from, place, out, stop)
+    except BaseException as exc:
+        # The frames of a crash hold the models, batches and optimizer until the process ends:
+        # their locals go (the traceback keeps its lines) so the memory is given back below.
+        traceback.clear_frames(exc.__traceback__)
+        raise
+    finally:
+        release_memory(place.devices)
+        out.close(stopped=stop())
+        stop.uninstall(ignore_late_signals=cfg.run.topology == "process" and launched_by_torchrun())
+
+
+def release_memory(devices: list[torch.device]) -> None:
+    """Give the GPU memory of a run that has ended back to the driver (other processes see it free)."""
+    gc.collect()
+    if any(device.type == "cuda" for device in devices):
+        torch.cuda.empty_cache()
+
+
+def train_models(
+    cfg: Config,
+    out_dir: Path,
+    resume: bool,
+    resume_point: list[ResumePoint | None],
+    place: Placement,
+    out: Output,
+    stop: StopFlag,
+) -> int:
+    """Load the models, prepare the data and train: every tensor of the run lives in this call."""
+    world = place.world
+    resume_from = resume_point.pop()
     topology = None
     try:
         out.line(describe_run(cfg, out_dir, place))
@@ -180,8 +215,6 @@ def run_training(cfg: Config, out_dir: Path, resume: bool, place: Placement) -> 
     finally:
         if topology is not None:
             topology.close()
-        out.close(stopped=stop())
-        stop.uninstall(ignore_late_signals=cfg.run.topology == "process" and launched_by_torchrun())
 
 
 def describe_run(cfg: Config, out_dir: Path, place: Placement) -> str:
