@@ -1,17 +1,22 @@
-"""log.report_to: [mlflow, wandb] on a real run, read back through MLflow's own client and from
-wandb's offline run files; a resume continues the same tracker runs; a tracker server that is
-down and a package that is missing cost one warning each, and the run finishes."""
+"""log.report_to: [mlflow, wandb] on a real run, read back through MLflow's own client (from its
+default SQLite store, and from a real `mlflow server` on loopback) and from wandb's offline run
+files; a resume continues the same tracker runs; a tracker server that is down and a package that
+is missing cost one warning each, and the run finishes."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
 import sys
+import time
 import typing
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -69,7 +74,7 @@ def tracked(tmp_path_factory, cache_dir):
     for steps, extra in ((4, ()), (6, ("--resume",))):
         result = supervised(out, machine, steps, *extra)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert "tracker" not in result.stdout, result.stdout
+        assert "tracker mlflow:" not in result.stdout and "tracker wandb:" not in result.stdout, result.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return out, rows
 
@@ -78,8 +83,8 @@ def test_mlflow_store_holds_the_run_and_a_resume_continues_it(tracked, monkeypat
     from mlflow import MlflowClient
 
     out, rows = tracked
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = MlflowClient(str(out / "mlruns"))
+    assert not (out / "mlruns").exists()  # MLflow's default store, a database in the output
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     state = json.loads((out / "trackers.json").read_text())
     runs = client.search_runs([client.get_experiment_by_name("dflash").experiment_id])
     assert [run.info.run_id for run in runs] == [state["mlflow"]["run_id"]]  # one run, both starts
@@ -277,3 +282,71 @@ def test_tracker_servers_that_are_down_cost_one_line_each_and_no_traceback(tmp_p
     assert "Connection refused" in mlflow[0] and "the run goes on without it" in wandb[0]
     assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
     assert any(line.startswith("done: step 2") for line in log)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """`mlflow server` on 127.0.0.1 with a SQLite store of its own: its URI. Stopped by its PID (its
+    own process group) when the test ends, also when it fails."""
+    pytest.importorskip(
+        "mlflow.server", reason="the full mlflow package (requirements-dev.txt) runs the server"
+    )
+    port = free_port()
+    log = (tmp_path / "mlflow-server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(tmp_path / "server-artifacts")],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        uri = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while not answers(f"{uri}/health"):
+            assert server.poll() is None, (tmp_path / "mlflow-server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not answer within 180 s"
+            time.sleep(0.5)
+        yield uri
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)  # the server and its workers: the group it leads
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+        log.close()
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def test_a_run_reports_to_a_real_mlflow_server(tmp_path, cache_dir, mlflow_server):
+    from mlflow import MlflowClient
+
+    machine = tmp_path / "machine.yml"
+    machine.write_text(f"data:\n  cache_dir: {cache_dir}\nlog:\n  report_to: [mlflow]\n")
+    out = tmp_path / "run"
+    env = {"MLFLOW_TRACKING_URI": mlflow_server, "MLFLOW_EXPERIMENT_NAME": "served"}
+    result = run_trainer(
+        "--run", "eager", "--config", str(machine), "--out", str(out), "--steps", "2", *SHORT, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tracker mlflow:" not in result.stdout, result.stdout  # (the end may be waited for aloud)
+    assert not (out / "mlflow.db").exists() and not (out / "mlruns").exists()
+    client = MlflowClient(mlflow_server)
+    (run,) = client.search_runs([client.get_experiment_by_name("served").experiment_id])
+    assert run.info.run_id == json.loads((out / "trackers.json").read_text())["mlflow"]["run_id"]
+    assert run.info.status == "FINISHED" and run.data.tags["dflash.ended"] == "finished"
+    assert run.data.params["train.steps"] == "2" and run.data.params["log.report_to"] == "mlflow"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [(row["step"], row["loss"]) for row in rows if row["kind"] == "train"]
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [row[0] for row in losses] == [1, 2]
+    assert [(m.step, pytest.approx(m.value, rel=1e-9)) for m in history] == losses

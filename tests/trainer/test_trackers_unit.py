@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import threading
 import time
 import typing
@@ -344,3 +345,43 @@ def test_while_the_run_waits_for_its_trackers_its_record_says_exiting(tmp_path, 
     waiting = "waiting at most 0.3s for tracker(s) mlflow to send what is left"
     assert (record["state"], record["stage"], record["exiting"]) == ("finished", "exiting", waiting)
     assert f"trackers: {waiting}" in (tmp_path / "train.log").read_text()
+
+
+def test_a_database_store_without_sqlalchemy_is_one_line_naming_what_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "sqlalchemy" else found(name)
+    )
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    lines: list[str] = []
+    Trackers(["mlflow"], tmp_path, {"run": {"name": "eager"}}, lines.append).close("finished")
+    assert lines == [
+        "tracker mlflow: MLflow's sqlite store needs SQLAlchemy and alembic, which are missing (pip install "
+        "mlflow-skinny==3.17.2 sqlalchemy==2.1.9 alembic==1.20.1); the run goes on without it"
+    ]
+
+
+def test_the_workspace_installs_what_the_trackers_name_and_the_tests_pin_it():
+    import yaml
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    defaults = yaml.safe_load((root / "roles/workspace/defaults/main.yml").read_text())
+    packages = defaults["workspace_tracker_packages"]
+    assert {name: " ".join(packages[name]) for name in ("mlflow", "wandb")} == trackers_module.PACKAGES
+    pinned = (root / "requirements-dev.txt").read_text().split()
+    assert all(package in pinned for package in " ".join(trackers_module.PACKAGES.values()).split())
+
+
+def test_mlflow_s_default_store_is_a_database_in_the_output_and_a_legacy_file_store_is_kept(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # restored after: the legacy store sets it
+    tracker = trackers_module.MlflowTracker(tmp_path, "eager")
+    assert tracker.store_uri() == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    (tmp_path / "mlruns").mkdir()  # written by an earlier version: a resume continues its run there
+    assert tracker.store_uri() == str(tmp_path / "mlruns")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert tracker.store_uri() == "http://127.0.0.1:5000"

@@ -5,9 +5,11 @@ The rank that writes the run's files reports: the config when the run starts (fl
 row's step), the lines of <out>/events.jsonl (start, regen, crash, restart, ...) and how this
 process ended (finished, stopped, crashed).
 
-- MLflow: the server MLFLOW_TRACKING_URI names (with MLFLOW_TRACKING_TOKEN or
-  MLFLOW_TRACKING_USERNAME/PASSWORD where it needs them), else a local store under <out>/mlruns
-  (MLflow's file store; `mlflow ui --backend-store-uri <out>/mlruns` shows it). Events are tags
+- MLflow: the server or database MLFLOW_TRACKING_URI names (with MLFLOW_TRACKING_TOKEN or
+  MLFLOW_TRACKING_USERNAME/PASSWORD where it needs them), else MLflow's own default, a SQLite
+  database, here <out>/mlflow.db (`mlflow ui --backend-store-uri sqlite:///<out>/mlflow.db` shows
+  it). A run whose output already holds the legacy file store <out>/mlruns and no database keeps
+  using it, so that a resume continues the same MLflow run. Events are tags
   (`dflash.event.0001`, ...; `dflash.state` the latest); the run ends FINISHED, KILLED (stopped)
   or FAILED (crashed).
 - Weights & Biases: online with WANDB_API_KEY, else offline under <out>/wandb (`wandb sync`
@@ -27,7 +29,9 @@ named with what it was doing, and the process ends without it.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import logging
 import os
 import queue
 import re
@@ -52,7 +56,11 @@ MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQ
 # wandb.init waits this long for its server (wandb's own default is 90 s).
 WANDB_INIT_TIMEOUT_S = 10.0
 QUEUE_SIZE = 10_000
-PACKAGES = {"mlflow": "mlflow-skinny==3.17.2", "wandb": "wandb==0.31.0"}
+# What the workspace role installs for each (roles/workspace/defaults/main.yml): MLflow's database
+# stores need SQLAlchemy and alembic, which mlflow-skinny does not pull in.
+PACKAGES = {"mlflow": "mlflow-skinny==3.17.2 sqlalchemy==2.1.9 alembic==1.20.1", "wandb": "wandb==0.31.0"}
+# Tracking URI schemes that MLflow serves from a database through SQLAlchemy.
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 # Environment variables whose values are secrets: never in a warning, a log line or trackers.json.
 SECRET_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "WANDB_API_KEY")
 # How each way this process can end is said to each tracker.
@@ -97,16 +105,28 @@ class MlflowTracker:
     def __init__(self, out_dir: Path, run_name: str):
         self.out_dir, self.run_name = out_dir, run_name
 
+    def store_uri(self) -> str:
+        """MLFLOW_TRACKING_URI, else the output's legacy file store where it has one, else its database."""
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            return os.environ["MLFLOW_TRACKING_URI"]
+        legacy = self.out_dir / "mlruns"
+        if legacy.is_dir() and not (self.out_dir / "mlflow.db").exists():
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps it only on request
+            return str(legacy)
+        return f"sqlite:///{self.out_dir.resolve() / 'mlflow.db'}"
+
     def start(self, state: dict, config: dict[str, Any]) -> dict:
         """Continue the run state names when it is in the same store, else create one; the new state."""
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or str(self.out_dir / "mlruns")
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            # MLflow 3 keeps its file store only on request; it needs no server and no database.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        uri = self.store_uri()
         for name, value in MLFLOW_HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
+        scheme = uri.split(":", 1)[0].split("+", 1)[0] if "://" in uri else ""
+        if scheme in DATABASE_SCHEMES and not all(map(importlib.util.find_spec, ("sqlalchemy", "alembic"))):
+            raise MissingPackage(f"MLflow's {scheme} store needs SQLAlchemy and alembic, which are missing")
         from mlflow import MlflowClient
 
+        # MLflow says at INFO level that it creates a new database's tables: not news for the run's log.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
         self.client = MlflowClient(tracking_uri=uri)
         # The store is kept as a hash: a tracking URI may hold credentials.
         store = hashlib.sha256(uri.encode()).hexdigest()[:16]
@@ -116,10 +136,17 @@ class MlflowTracker:
         else:
             experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "dflash"
             found = self.client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+            experiment_id = found.experiment_id if found else self.create_experiment(experiment, uri)
             self.run_id = self.client.create_run(experiment_id, run_name=self.run_name).info.run_id
         self.log_config(flat_config(config))
         return {"store": store, "run_id": self.run_id}
+
+    def create_experiment(self, name: str, uri: str) -> str:
+        # A local database keeps no artifacts itself: MLflow's default place for them is relative to
+        # the working directory; the run's output holds them instead.
+        local = uri.startswith("sqlite:") and not os.environ.get("MLFLOW_TRACKING_URI")
+        where = (self.out_dir.resolve() / "mlartifacts").as_uri() if local else None
+        return self.client.create_experiment(name, artifact_location=where)
 
     def log_config(self, config: dict[str, str]) -> None:
         """The config as params; a resume that changed a setting (MLflow's params never change)
@@ -202,6 +229,10 @@ class WandbTracker:
     def end(self, outcome: str) -> None:
         self.run.summary["ended"] = outcome
         self.run.finish(exit_code=1 if outcome.startswith("crashed") else 0)
+
+
+class MissingPackage(ImportError):
+    """A package a tracker needs for what the run asks of it, with the reason in its own words."""
 
 
 TRACKER_CLASSES = {"mlflow": MlflowTracker, "wandb": WandbTracker}
@@ -383,11 +414,11 @@ class TrackerWorker:
         try:
             sent = self.state.get("events_sent", 0)
             self.state = {**self.tracker.start(self.state, self.config), "events_sent": sent}
-        except ImportError:
+        except ImportError as exc:
             self.dead = True
+            missing = str(exc) if isinstance(exc, MissingPackage) else f"the {name} package is missing"
             self.owner.warn(
-                f"tracker {name}: the {name} package is missing (pip install {PACKAGES[name]}); "
-                "the run goes on without it"
+                f"tracker {name}: {missing} (pip install {PACKAGES[name]}); the run goes on without it"
             )
             return False
         except Exception as exc:
