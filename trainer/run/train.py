@@ -32,7 +32,7 @@ from ..data.chat import ChatFormat, DataError
 from ..data.embedded import ensure_embedded
 from ..data.regen import ShardDamaged
 from ..data.rows import Batch, Loader, build_train_set, valid_anchor_count
-from ..data.store import BuildStopped, open_or_build
+from ..data.store import BuildStopped, open_or_build, store_built
 from ..model.drafter import target_layer_ids
 from ..model.evaluate import acceptance_length
 from ..model.target import load_target, load_tokenizer, num_target_layers
@@ -344,7 +344,12 @@ def regenerated_examples(cfg: Config, models: Models, place: Placement, out: Out
     for device in dict.fromkeys(place.devices):  # the data stage's own peak, not the warm-up's
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-    prepared = prepare_data(cfg, source, engines, place.world, out, should_stop, out_dir)
+    store_root = Path(cfg.data.cache_dir).expanduser() / "store"
+
+    def will_read(data_key: str) -> bool:  # the same key as load_data's token store
+        return not store_built(store_root, f"{data_key}|held_out={cfg.train.eval_prompts}", models.chat)
+
+    prepared = prepare_data(cfg, source, engines, place.world, out, should_stop, out_dir, will_read=will_read)
     release_data_stage_memory(place.devices, out)
     if prepared is None:
         return None
