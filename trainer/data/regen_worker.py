@@ -232,6 +232,9 @@ def die_with_parent() -> None:
 
 def worker_main() -> int:
     die_with_parent()
+    from ..run.torch_log import quiet_repeated_torch_warnings
+
+    quiet_repeated_torch_warnings()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
