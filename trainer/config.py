@@ -35,6 +35,8 @@ MAX_STEPS = 10**9
 MAX_SEED = 2**63 - 1
 MAX_LR = 1.0
 MAX_TIMEOUT_S = 7 * 24 * 3600
+# Checkpoints kept beyond this many are every one a long run writes in practice: 0 says that plainly.
+MAX_KEEP_CHECKPOINTS = 1000
 
 CUDAGRAPHS_IN_THREADS = (
     "CUDA graphs cannot be used in the threaded topology: CUDA Graph Trees keep their state in "
@@ -62,6 +64,7 @@ class ConfigError(Exception):
 # no flex kernel (NoValidChoicesError; seen on an H200 with the embedded model's 96-token rows, in
 # float32 and bfloat16 alike, and with regeneration's shorter prompts).
 FLEX_MIN_LEN = 128
+
 
 @dataclass
 class RunConfig:
@@ -186,7 +189,8 @@ class TrainConfig:
     loses at most about this much work whatever the step time; the log gives each checkpoint's
     write time and size, to choose it by."""
     keep_checkpoints: int = 3
-    """Keep the newest this many checkpoints, and always the one of the best tau (0: keep every one).
+    """Keep the newest this many checkpoints (at most 1000), and always the one of the best tau (0:
+    keep every one).
     An older one is removed only once a newer one is complete on disk, and never while a resume or
     an export reads it. The best-tau one is that of the step of the best evaluation: a new best
     tau is checkpointed at its step."""
@@ -204,6 +208,11 @@ class TrainConfig:
                 out.append(f"train.{name} must be at most {MAX_STEPS}, got {getattr(self, name)}")
         if self.seed > MAX_SEED:
             out.append(f"train.seed must be at most {MAX_SEED}, got {self.seed}")
+        if self.keep_checkpoints > MAX_KEEP_CHECKPOINTS:
+            out.append(
+                f"train.keep_checkpoints must be at most {MAX_KEEP_CHECKPOINTS}, got {self.keep_checkpoints} "
+                "(0 keeps every checkpoint)"
+            )
         if not 0 < self.lr <= MAX_LR:
             out.append(f"train.lr must be positive and at most {MAX_LR:g}, got {self.lr}")
         if not 0 <= self.warmup_frac < 1:
