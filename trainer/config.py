@@ -435,8 +435,8 @@ class LogConfig:
 
     report_to: list[str] = field(default_factory=list)
     """Experiment trackers that also receive the run (any of tensorboard, mlflow, wandb; empty: none).
-    tensorboard: event files under <out>/tensorboard. mlflow: a local store under <out>/mlruns, or
-    the server MLFLOW_TRACKING_URI names. wandb: offline under <out>/wandb without WANDB_API_KEY,
+    tensorboard: event files under <out>/tensorboard. mlflow: a SQLite database, <out>/mlflow.db
+    (MLflow's default store), or the server or database MLFLOW_TRACKING_URI names. wandb: offline under <out>/wandb without WANDB_API_KEY,
     online with it. Each gets the config at the start, every metric row and the run's events; a
     resumed run continues the same tracker run (<out>/trackers.json)."""
     tensorboard: bool = False
