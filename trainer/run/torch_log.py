@@ -55,13 +55,16 @@ REPEATED = RepeatedWarnings()
 
 
 def torch_handlers() -> list[logging.Handler]:
-    """The handlers torch set up on its loggers (`torch`, `torch._dynamo`, `torch._inductor`, ...)."""
+    """The stream handlers torch set up on its loggers (`torch`, `torch._dynamo`, `torch._inductor`,
+    ...): what prints to the log. Any other handler (the compile cache's own) sees every record."""
     loggers = [logging.getLogger("torch")] + [
         logger
         for name, logger in list(logging.root.manager.loggerDict.items())
         if name.startswith("torch.") and isinstance(logger, logging.Logger)
     ]
-    return [handler for logger in loggers for handler in logger.handlers]
+    return [
+        handler for logger in loggers for handler in logger.handlers if type(handler) is logging.StreamHandler
+    ]
 
 
 def quiet_repeated_torch_warnings() -> None:
