@@ -198,12 +198,18 @@ def test_a_tracker_down_and_a_package_missing_cost_one_warning_each(tmp_path, ca
     assert not (out / "trackers.json").exists()  # no tracker run began
 
 
+def cuda_allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
 class Watching:
     """A tracker that counts, when the run closes its trackers, the drafter replicas still alive
-    and the CUDA memory still allocated: the trainer gives them back before waiting for any tracker."""
+    and the CUDA memory still allocated: the trainer gives them back before waiting for any tracker.
+    `training`: the most CUDA memory allocated at a metric row, for comparison."""
 
     name = "mlflow"
     seen: typing.ClassVar[list] = []
+    training = 0
 
     def __init__(self, out_dir, run_name):
         pass
@@ -212,7 +218,7 @@ class Watching:
         return {}
 
     def metric(self, row):
-        pass
+        Watching.training = max(Watching.training, cuda_allocated())
 
     def event(self, index, row):
         pass
@@ -222,8 +228,7 @@ class Watching:
 
         gc.collect()
         alive = sum(type(thing) is Replica for thing in gc.get_objects())
-        allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-        Watching.seen.append((outcome, alive, allocated))
+        Watching.seen.append((outcome, alive, cuda_allocated()))
 
 
 def released_at_the_end(tmp_path, cache_dir, monkeypatch, devices: str) -> list:
@@ -232,7 +237,7 @@ def released_at_the_end(tmp_path, cache_dir, monkeypatch, devices: str) -> list:
     from trainer.run.train import train
 
     monkeypatch.setitem(trackers.TRACKER_CLASSES, "mlflow", Watching)
-    Watching.seen = []
+    Watching.seen, Watching.training = [], 0
     machine = tmp_path / "machine.yml"
     machine.write_text(f"data:\n  cache_dir: {cache_dir}\nlog:\n  report_to: [mlflow]\n")
     overrides = [
@@ -252,7 +257,12 @@ def test_the_models_are_given_back_before_the_trackers_are_waited_for(tmp_path, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
 def test_the_gpu_memory_is_given_back_before_the_trackers_are_waited_for(tmp_path, cache_dir, monkeypatch):
-    assert released_at_the_end(tmp_path, cache_dir, monkeypatch, "cuda:0") == [("finished", 0, 0)]
+    torch.cuda.empty_cache()
+    before = cuda_allocated()
+    ((outcome, alive, after),) = released_at_the_end(tmp_path, cache_dir, monkeypatch, "cuda:0")
+    figures = f"allocated before the run {before}, while training {Watching.training}, at the end {after}"
+    assert (outcome, alive) == ("finished", 0)
+    assert Watching.training > before and after <= before + (1 << 20), figures
 
 
 def test_tracker_servers_that_are_down_cost_one_line_each_and_no_traceback(tmp_path, cache_dir):
