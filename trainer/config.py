@@ -36,6 +36,8 @@ MAX_STEPS = 10**9
 MAX_SEED = 2**63 - 1
 MAX_LR = 1.0
 MAX_TIMEOUT_S = 7 * 24 * 3600
+# Checkpoints kept beyond this many are every one a long run writes in practice: 0 says that plainly.
+MAX_KEEP_CHECKPOINTS = 1000
 
 CUDAGRAPHS_IN_THREADS = (
     "CUDA graphs cannot be used in the threaded topology: CUDA Graph Trees keep their state in "
@@ -188,7 +190,8 @@ class TrainConfig:
     loses at most about this much work whatever the step time; the log gives each checkpoint's
     write time and size, to choose it by."""
     keep_checkpoints: int = 3
-    """Keep the newest this many checkpoints, and always the one of the best tau (0: keep every one).
+    """Keep the newest this many checkpoints (at most 1000), and always the one of the best tau (0:
+    keep every one).
     An older one is removed only once a newer one is complete on disk, and never while a resume or
     an export reads it. The best-tau one is that of the step of the best evaluation: a new best
     tau is checkpointed at its step."""
@@ -210,6 +213,11 @@ class TrainConfig:
                 out.append(f"train.{name} must be at most {MAX_STEPS}, got {getattr(self, name)}")
         if self.seed > MAX_SEED:
             out.append(f"train.seed must be at most {MAX_SEED}, got {self.seed}")
+        if self.keep_checkpoints > MAX_KEEP_CHECKPOINTS:
+            out.append(
+                f"train.keep_checkpoints must be at most {MAX_KEEP_CHECKPOINTS}, got {self.keep_checkpoints} "
+                "(0 keeps every checkpoint)"
+            )
         if not 0 < self.lr <= MAX_LR:
             out.append(f"train.lr must be positive and at most {MAX_LR:g}, got {self.lr}")
         if not 0 <= self.warmup_frac < 1:
@@ -432,8 +440,8 @@ class LogConfig:
 
     report_to: list[str] = field(default_factory=list)
     """Experiment trackers that also receive the run (any of tensorboard, mlflow, wandb; empty: none).
-    tensorboard: event files under <out>/tensorboard. mlflow: a local store under <out>/mlruns, or
-    the server MLFLOW_TRACKING_URI names. wandb: offline under <out>/wandb without WANDB_API_KEY,
+    tensorboard: event files under <out>/tensorboard. mlflow: a SQLite database, <out>/mlflow.db
+    (MLflow's default store), or the server or database MLFLOW_TRACKING_URI names. wandb: offline under <out>/wandb without WANDB_API_KEY,
     online with it. Each gets the config at the start, every metric row and the run's events; a
     resumed run continues the same tracker run (<out>/trackers.json)."""
     tensorboard: bool = False

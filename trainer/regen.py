@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from .run.environment import check_machine
+    from .run.torch_log import quiet_repeated_torch_warnings
+
+    quiet_repeated_torch_warnings()
 
     try:
         cfg = load_config(args.run, args.config, args.sets, None, None)

@@ -38,15 +38,21 @@ PR_SET_PDEATHSIG = 1
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    if "--" not in argv:
-        raise SystemExit(
-            "usage: python -m trainer.supervise [--max-restarts N] [--backoff-s S] -m trainer -- TRAINER ARGS"
-        )
-    split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m trainer.supervise", description=__doc__.split("\n")[0])
+    usage = "python -m trainer.supervise [--max-restarts N] [--backoff-s S] -m trainer -- TRAINER ARGS"
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.supervise",
+        usage=usage,
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--max-restarts", type=int, default=0, help="restarts after crashes (default 0)")
     parser.add_argument("--backoff-s", type=float, default=10.0, help="wait before a restart (default 10)")
     parser.add_argument("-m", dest="module", default="trainer", choices=["trainer"], help="what runs")
+    split = argv.index("--") if "--" in argv else len(argv)
+    if {"-h", "--help"} & set(argv[:split]):
+        parser.parse_args(["--help"])  # prints the help and exits 0
+    if split == len(argv):
+        raise SystemExit(f"usage: {usage}")
     args = parser.parse_args(argv[:split])
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must not be negative, got {args.max_restarts}")

@@ -271,6 +271,10 @@ BAD_INPUT = [
     (["--run", "nographs", "--set", "drafter.gamma=nan"], "drafter.gamma must be a finite number"),
     (["--run", "nographs", "--steps", "99999999999999999999"], "train.steps must be at most 1000000000"),
     (["--run", "nographs", "--seed", "99999999999999999999"], "train.seed must be at most"),
+    (
+        ["--run", "nographs", "--set", "train.keep_checkpoints=99999999999999999999"],
+        "train.keep_checkpoints must be at most 1000, got 99999999999999999999 (0 keeps every checkpoint)",
+    ),
     (["--run", "nographs", "--set", "parallel.step_timeout_s=inf"], "step_timeout_s must be a finite"),
     (
         ["--run", "nographs", "--set", "parallel.rendezvous_timeout_s=99999999999"],

@@ -463,7 +463,8 @@ def test_garbage_inside_a_shard_is_named_never_a_traceback_and_the_next_start_re
     damaged = rf"{shard} is damaged: its contents do not match the checksum .* run again"
     with pytest.raises(ShardDamaged, match=damaged):
         export_chat_jsonl(regen.index, regen.examples(), tiny[1], tmp_path / "out.jsonl")
-    assert regen.missing() == [1]  # its checksum went with it: the next start regenerates it
+    assert regen.missing() == [1]  # moved aside, its checksum gone: the next start regenerates it
+    os.replace(shard.with_name(shard.name + ".damaged"), shard)  # back, beside a seal of other bytes
     shard.with_suffix(".sha256").write_text(json.dumps(shard_seal(b"x" * shard.stat().st_size, 4)))
     with pytest.raises(ShardDamaged, match=damaged):  # the store's build reads it the same way
         regenerated(regen)
@@ -800,6 +801,8 @@ def test_answers_of_carried_up_batches_equal_plain_greedy_generate(tiny):
             eos_token_id=chat.end_id, pad_token_id=chat.end_id,
         )[0, ids.shape[1] :].tolist()  # fmt: skip
         assert answer == (output[: output.index(chat.end_id)] if chat.end_id in output else output)
+
+
 def test_a_full_disk_in_the_data_stage_ends_the_run_crashed_exit_1_in_one_line(tmp_path, monkeypatch, capsys):
     """The same end as a full disk while training (docs/OPERATING.md): crashed, exit status 1."""
     import trainer.cli
@@ -898,3 +901,29 @@ def test_the_stage_says_how_many_answers_the_cap_cut(tmp_path, tiny, data_and_re
 
     stage_ended(regen, progress, Out, None, None, None)
     assert f", {cut} of {len(answers)} answers cut at the cap of {NEW_TOKENS} tokens" in lines[-1], lines
+
+
+def test_a_shard_whose_contents_changed_is_set_aside_and_regenerated_before_the_data_is_read(
+    tmp_path, tiny, data_and_reference
+):
+    data, reference = data_and_reference
+    regen = regeneration(tmp_path, data, tiny)
+    regen.prepare()
+    assert generate_all(regen, [tiny[0]])
+
+    def flip_bytes(shard: pathlib.Path) -> None:
+        body = bytearray(shard.read_bytes())
+        body[len(body) // 2 : len(body) // 2 + 3] = b"@#!"
+        shard.write_bytes(bytes(body))
+
+    shard = seal_a_shard(regen, flip_bytes)
+    assert regen.damaged() == []  # the same size: only the contents tell
+    aside = shard.with_name(shard.name + ".damaged")
+    assert regen.set_aside_damaged() == [
+        (shard, f"its contents do not match its checksum (moved to {aside.name})")
+    ]
+    assert aside.exists() and not shard.exists()
+    # Missing now, and said so truly: no false "no checksum beside it".
+    assert regen.missing() == [1] and regen.damaged() == []
+    assert generate_all(regen, [tiny[0]])
+    assert regen.set_aside_damaged() == [] and regenerated(regen) == reference

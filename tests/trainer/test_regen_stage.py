@@ -136,3 +136,28 @@ def test_an_empty_data_file_is_one_error_line_naming_it(tmp_path, embedded):
         '{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} per line'
     ]
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_shard_damaged_on_disk_is_regenerated_in_the_same_launch_with_a_true_reason(
+    tmp_path, embedded, small_data
+):
+    args = regen_args(embedded, small_data, tmp_path / "c", tmp_path / "out.jsonl", tmp_path / "r")
+    assert regen(*args).returncode == 0
+    shard = shards(tmp_path / "c")[1]
+    body = bytearray(shard.read_bytes())
+    body[len(body) // 2 : len(body) // 2 + 3] = b"@#!"  # the same size: only its contents tell
+    shard.write_bytes(bytes(body))
+    sets = [arg for arg in args if arg.startswith("--set=")]
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer", "--run", "eager", *sets, "--out", str(tmp_path / "run"),
+         "--steps", "1", "--set", "train.eval_max_new_tokens=4"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout
+    assert (
+        f"data: {shard} cannot be used: its contents do not match its checksum (moved to "
+        f"{shard.name}.damaged); it is regenerated"
+    ) in log
+    assert "no checksum" not in log and "run again" not in log + result.stderr
+    assert shard.with_suffix(".sha256").exists() and shard.read_bytes() != bytes(body)

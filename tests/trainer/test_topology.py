@@ -459,3 +459,39 @@ def test_an_optimizer_state_cut_into_shards_and_assembled_again_is_unchanged():
     finally:
         unsharded.close()
         sharded.close()
+
+
+class SlowCompile:
+    """A replica whose compile lasts until `done` is set: a stop comes while it compiles."""
+
+    def __init__(self):
+        compile_settings = SimpleNamespace(mode="default", uses_cudagraphs=False)
+        self.cfg = SimpleNamespace(compile=compile_settings, parallel=SimpleNamespace(shard_optimizer=False))
+        self.device = torch.device("cpu")
+        self.compiling, self.done = threading.Event(), threading.Event()
+
+    def compile(self):
+        self.compiling.set()
+        assert self.done.wait(30)
+
+    def warm_up(self):
+        pass
+
+
+def test_a_stop_during_compilation_logs_no_compile_line_after_the_run_s_stop():
+    from trainer.parallel.topology import ThreadedTopology
+
+    replica = SlowCompile()
+    lines: list[str] = []
+    topology = ThreadedTopology([replica], 60, log=lines.append)
+    topology.launch()
+    try:
+        assert replica.compiling.wait(30)
+        assert not topology.wait_ready(lambda: True)  # the stop
+        lines.append("stopped at step 0")
+        replica.done.set()  # the compile ends after the stop
+        assert topology.outbox.get(timeout=30)[0] == "ready"  # its last line would have come before this
+    finally:
+        replica.done.set()
+        topology.close()
+    assert lines == ["drafter on cpu: compiling forward (cudagraphs=False)", "stopped at step 0"]

@@ -4,6 +4,8 @@ step, a bounded end), with stand-in trackers instead of MLflow and wandb."""
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import threading
 import time
 import typing
@@ -121,9 +123,16 @@ def test_a_slow_tracker_never_holds_a_step_and_the_end_is_bounded(tmp_path, stan
     for step in range(50):
         trackers.metric({"kind": "train", "step": step, "loss": 1.0})
     assert time.monotonic() - began < 0.5
-    trackers.close("finished")
+    waits: list[str] = []
+    trackers.close("finished", waiting=waits.append)
     assert time.monotonic() - began < 2.0
-    assert len(lines) == 1 and lines[0].startswith("trackers: mlflow still busy after 0.5s")
+    said = "waiting at most 0.5s for tracker(s) mlflow to send what is left"
+    assert waits == [said]
+    assert lines == [
+        f"trackers: {said}",
+        "tracker mlflow: still sending (no answer from its server yet) after 0.5s; the run ends without "
+        "it (what did not reach it is in metrics.jsonl and events.jsonl)",
+    ]
 
 
 def test_events_go_once_and_a_resume_continues_the_same_tracker_run(tmp_path, stand_in):
@@ -201,9 +210,40 @@ def test_a_hanging_tracker_holds_up_no_other(tmp_path, stand_in, monkeypatch):
         Hanging.release.set()
     assert stand_in.calls == [("start", {}), ("metric", 1), ("end", "finished")]
     assert lines == [
-        "trackers: wandb still busy after 0.5s; the run ends without waiting (what did not reach a "
-        "tracker is in metrics.jsonl and events.jsonl)"
+        "trackers: waiting at most 0.5s for tracker(s) wandb to send what is left",
+        "tracker wandb: still starting (no answer from its server yet) after 0.5s; the run ends without "
+        "it (what did not reach it is in metrics.jsonl and events.jsonl)",
     ]
+
+
+def test_trackers_that_end_at_once_are_not_waited_for_aloud(tmp_path, stand_in):
+    lines: list[str] = []
+    waits: list[str] = []
+    open_trackers(tmp_path, lines).close("finished", waiting=waits.append)
+    assert (lines, waits) == ([], [])
+    assert stand_in.calls[-1] == ("end", "finished")
+
+
+def test_a_tracker_that_fails_after_the_end_says_nothing_into_the_closed_log(tmp_path, stand_in, monkeypatch):
+    """The run's log is closed after the trackers' wait: a thread still busy then never writes to it."""
+    from trainer.run.sinks import FileOutput
+
+    monkeypatch.setattr(trackers_module, "CLOSE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(trackers_module, "QUIET_WAIT_S", 0.1, raising=False)
+    stand_in.hold.clear()
+    stand_in.fail_on = "metric"
+    out = FileOutput(tmp_path, load_config("eager", None, ["log.report_to=mlflow"]))
+    worker = out.trackers.workers[0]
+    out.metric({"kind": "train", "step": 1, "loss": 1.0})
+    out.close()
+    errors: list = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    stand_in.hold.set()  # the held call now fails, after the log was closed
+    worker.thread.join(5)
+    assert not worker.thread.is_alive()
+    assert errors == []
+    log = (tmp_path / "train.log").read_text()
+    assert "still sending" in log and "metric failed" not in log
 
 
 def test_the_run_output_tells_the_trackers_how_the_trainer_ended(tmp_path, stand_in):
@@ -230,3 +270,118 @@ def test_the_run_output_tells_the_trackers_how_the_trainer_ended(tmp_path, stand
         except ValueError:
             pass
         assert stand_in.calls[-1] == ("end", told)
+
+
+def test_a_tracker_entry_of_the_wrong_type_is_said_once_and_a_new_tracker_run_begins(tmp_path, stand_in):
+    (tmp_path / "trackers.json").write_text(json.dumps({"mlflow": [1, 2], "wandb": {"id": "keep1234"}}))
+    lines: list[str] = []
+    trackers = open_trackers(tmp_path, lines)
+    trackers.metric({"kind": "train", "step": 1, "loss": 1.0})
+    trackers.close("finished")
+    assert lines == ["trackers: trackers.json: mlflow is '[1, 2]', not an object; a new mlflow run begins"]
+    assert stand_in.calls == [("start", {}), ("metric", 1), ("end", "finished")]
+    # The damaged entry is not written back; another tracker's entry is kept.
+    assert json.loads((tmp_path / "trackers.json").read_text()) == {
+        "mlflow": {"run_id": "r1", "events_sent": 0},
+        "wandb": {"id": "keep1234"},
+    }
+
+
+def test_a_run_id_of_the_wrong_type_begins_a_new_tracker_run(tmp_path, stand_in):
+    (tmp_path / "trackers.json").write_text(json.dumps({"mlflow": {"run_id": 7, "events_sent": 2}}))
+    lines: list[str] = []
+    open_trackers(tmp_path, lines).close("finished")
+    assert lines == ["trackers: trackers.json: mlflow run_id is '7', not a name; a new mlflow run begins"]
+    assert stand_in.calls[0] == ("start", {})
+
+
+@pytest.mark.parametrize("sent", ["x", -3, 1.5, True, None])
+def test_a_bad_count_of_sent_events_sends_them_again_and_is_not_written_back(tmp_path, stand_in, sent):
+    (tmp_path / "trackers.json").write_text(json.dumps({"mlflow": {"run_id": "r1", "events_sent": sent}}))
+    (tmp_path / "events.jsonl").write_text(
+        "".join(json.dumps({"event": name, "text": name}) + "\n" for name in ("start", "crash"))
+    )
+    lines: list[str] = []
+    trackers = open_trackers(tmp_path, lines)
+    trackers.metric({"kind": "train", "step": 1, "loss": 1.0})
+    trackers.close("finished")
+    assert lines == [
+        f"trackers: trackers.json: mlflow events_sent is {str(sent)!r}, not a count of events; mlflow is "
+        "sent every event again from the first"
+    ]
+    # The tracker's thread lived on: every event, then its end.
+    assert stand_in.calls == [
+        ("start", {"run_id": "r1", "events_sent": 0}), ("metric", 1), ("event", 1, "start"),
+        ("event", 2, "crash"), ("end", "finished"),
+    ]  # fmt: skip
+    assert json.loads((tmp_path / "trackers.json").read_text()) == {
+        "mlflow": {"run_id": "r1", "events_sent": 2}
+    }
+
+
+def test_a_long_error_keeps_its_cause_at_the_end():
+    text = "MlflowException: API request to http://127.0.0.1:9/api failed with exception " + "x" * 400
+    said = redact(text + " [Errno 111] Connection refused")
+    assert said.startswith("MlflowException: API request to") and said.endswith(
+        "[Errno 111] Connection refused"
+    )
+    assert len(said) < 310
+
+
+def test_while_the_run_waits_for_its_trackers_its_record_says_exiting(tmp_path, stand_in, monkeypatch):
+    from trainer.run import runrecord
+    from trainer.run.sinks import FileOutput
+
+    monkeypatch.setattr(trackers_module, "CLOSE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(trackers_module, "QUIET_WAIT_S", 0.1)
+    runrecord.write_record(
+        tmp_path, {"run": "eager", "run_id": "eager-1", "pid": os.getpid(), "state": "finished"}
+    )
+    out = FileOutput(tmp_path, load_config("eager", None, ["log.report_to=mlflow"]))
+    stand_in.hold.clear()
+    out.metric({"kind": "train", "step": 1, "loss": 1.0})
+    out.close()
+    record = runrecord.read_record(tmp_path)
+    waiting = "waiting at most 0.3s for tracker(s) mlflow to send what is left"
+    assert (record["state"], record["stage"], record["exiting"]) == ("finished", "exiting", waiting)
+    assert f"trackers: {waiting}" in (tmp_path / "train.log").read_text()
+
+
+def test_a_database_store_without_sqlalchemy_is_one_line_naming_what_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "sqlalchemy" else found(name)
+    )
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    lines: list[str] = []
+    Trackers(["mlflow"], tmp_path, {"run": {"name": "eager"}}, lines.append).close("finished")
+    assert lines == [
+        "tracker mlflow: MLflow's sqlite store needs SQLAlchemy and alembic, which are missing (pip install "
+        "mlflow-skinny==3.17.2 sqlalchemy==2.1.9 alembic==1.20.1); the run goes on without it"
+    ]
+
+
+def test_the_workspace_installs_what_the_trackers_name_and_the_tests_pin_it():
+    import yaml
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    defaults = yaml.safe_load((root / "roles/workspace/defaults/main.yml").read_text())
+    packages = defaults["workspace_tracker_packages"]
+    assert {name: " ".join(packages[name]) for name in ("mlflow", "wandb")} == trackers_module.PACKAGES
+    pinned = (root / "requirements-dev.txt").read_text().split()
+    assert all(package in pinned for package in " ".join(trackers_module.PACKAGES.values()).split())
+
+
+def test_mlflow_s_default_store_is_a_database_in_the_output_and_a_legacy_file_store_is_kept(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # restored after: the legacy store sets it
+    tracker = trackers_module.MlflowTracker(tmp_path, "eager")
+    assert tracker.store_uri() == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    (tmp_path / "mlruns").mkdir()  # written by an earlier version: a resume continues its run there
+    assert tracker.store_uri() == str(tmp_path / "mlruns")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert tracker.store_uri() == "http://127.0.0.1:5000"

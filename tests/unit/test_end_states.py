@@ -112,3 +112,15 @@ def test_a_stop_event_gives_the_step_of_the_checkpoint_it_saved_not_the_last_log
     assert events.record("stop", "stopped by SIGTERM", exit_status=0)["step"] == 136
     (tmp_path / "run.json").write_text(json.dumps({**record, "run_id": "r-0"}))  # another launch's record
     assert events.record("stop", "stopped by SIGTERM", exit_status=0)["step"] == 130
+
+
+def test_a_restart_clears_the_crashed_process_s_way_out_from_the_record(tmp_path) -> None:
+    import os
+
+    waiting = "waiting at most 15s for tracker(s) mlflow to send what is left"
+    record = {"run_id": "r-1", "run": "r", "pid": os.getpid(), "state": "crashed", "exit_status": 1}
+    record.update(stage="exiting", exiting=waiting)
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    EventLog(tmp_path, "r", run_id="r-1", notify_url="").record("restart", "restarted", reason="crashed")
+    after = json.loads((tmp_path / "run.json").read_text())
+    assert after["state"] == "running" and "stage" not in after and "exiting" not in after

@@ -338,6 +338,27 @@ def test_a_run_regenerating_its_data_is_reported_with_that_stage_s_progress(
     assert "stage" not in training.result and status_line(training.result).startswith("running: ")
 
 
+def test_a_live_run_whose_record_has_ended_is_exiting_whatever_the_cache_says(
+    tmp_path, run_module, trainer
+) -> None:
+    from ansible_collections.dflash.ct200.plugins.filter.summary import status_line
+
+    runs = tmp_path / "runs"
+    started = trainer(out=runs / "nographs")
+    out = runs / "nographs"
+    waiting = "waiting at most 15s for tracker(s) mlflow to send what is left"
+    close_record(
+        out, state="finished", exit_status=0, exit_reason="finished", stage="exiting", exiting=waiting
+    )
+    # The controller's cached record still says running: the target's record is the truth.
+    report = probe(run_module, runs_dir=str(runs), recorded=started["record"]).result
+    assert report["state"] == "running"
+    assert (report["stage"], report["recorded_state"], report["exiting"]) == ("exiting", "finished", waiting)
+    assert status_line({**report, "run": "nographs"}) == (
+        f"running: nographs as PID {started['pid']}, exiting (its run record says finished; {waiting})"
+    )
+
+
 def close_record(out, **fields) -> None:
     record = json.loads((out / "run.json").read_text())
     (out / "run.json").write_text(json.dumps({**record, **fields}))

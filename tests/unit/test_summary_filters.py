@@ -144,6 +144,9 @@ def test_status_line_words_every_state() -> None:
     assert status_line(running) == "running: nographs as PID 11540"
     exiting = status_report(state="running", recorded_state="finished")  # the record written first
     assert status_line(exiting) == "running: nographs as PID 11540, exiting (its run record says finished)"
+    waiting = "waiting at most 15s for tracker(s) wandb to send what is left"
+    crashed = status_report(state="running", recorded_state="running", stage="exiting", exiting=waiting)
+    assert status_line(crashed) == f"running: nographs as PID 11540, exiting ({waiting})"
     assert status_line(status_report(state="not_ours")).startswith("not ours: PID 11540 now belongs")
     assert status_line({"state": "none"}) == "no run recorded"
 

@@ -8,7 +8,9 @@ i % workers (a thread per device, or a rank under torchrun); each shard is gener
 <cache>/regenerated/<key>/shard-<first>-<end>.jsonl, one {"line", "turns"} row per conversation.
 Beside each shard, its seal (shard-<first>-<end>.sha256: SHA-256, size, rows) is written after it: a
 shard with its seal is finished; one without, or of another size, is missing (generated again), and
-one whose contents do not match is never read (ShardDamaged). A stop or a crash loses at most the
+one whose contents do not match is never read: it is moved aside (`<shard>.damaged`) and generated
+again, in the same start where its contents are checked before the data is read (set_aside_damaged),
+else at the next start (ShardDamaged). A stop or a crash loses at most the
 shards being generated, and the next start generates only what is missing. The key covers the data
 file's bytes (as indexed, in the same pass), the target's and tokenizer's files, the generation
 settings and the dtype.
@@ -577,13 +579,44 @@ class Regeneration:
             body = b""
         seal = self.seal(start, end)
         if seal is None or seal["rows"] != end - start or hashlib.sha256(body).hexdigest() != seal["sha256"]:
-            with contextlib.suppress(OSError):
-                self.seal_path(start, end).unlink()
+            aside = self.set_aside(start, end)
             raise ShardDamaged(
-                f"{path} is damaged: its contents do not match the checksum written with it. It will be "
-                f"regenerated ({end - start:,} conversations): run again"
+                f"{path} is damaged: its contents do not match the checksum written with it. It was moved "
+                f"to {aside} and is regenerated at the next start ({end - start:,} conversations): run again"
             )
         return [json.loads(line) for line in body.splitlines()]
+
+    def contents_damaged(self, start: int, end: int) -> bool:
+        """Whether a shard that looks whole (its size matches its seal) holds other bytes than were
+        sealed: a full read, done only where the data is about to be read anyway."""
+        seal = self.seal(start, end)
+        try:
+            body = self.shard_path(start, end).read_bytes()
+        except FileNotFoundError:
+            return False  # moved aside meanwhile (another rank): missing, so generated again
+        return seal is not None and hashlib.sha256(body).hexdigest() != seal["sha256"]
+
+    def set_aside(self, start: int, end: int) -> Path:
+        """A damaged shard out of the way as <shard>.damaged (kept for a look, the next one replaces
+        it) and its seal removed: it is missing from now on, so generated again."""
+        path = self.shard_path(start, end)
+        aside = path.with_name(path.name + ".damaged")
+        with contextlib.suppress(OSError):  # another rank may have moved it already
+            self.seal_path(start, end).unlink()
+        with contextlib.suppress(OSError):
+            os.replace(path, aside)
+        return aside
+
+    def set_aside_damaged(self) -> list[tuple[Path, str]]:
+        """Every shard that looks whole but whose contents do not match its seal, set aside (and so
+        generated again before the data is read): (its path, why)."""
+        found = []
+        for start, end in self.ranges:
+            if self.damage(start, end) is None and self.contents_damaged(start, end):
+                aside = self.set_aside(start, end)
+                why = f"its contents do not match its checksum (moved to {aside.name})"
+                found.append((self.shard_path(start, end), why))
+        return found
 
     def conversations_done(self) -> int:
         gone = set(self.missing())

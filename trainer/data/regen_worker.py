@@ -232,6 +232,9 @@ def die_with_parent() -> None:
 
 def worker_main() -> int:
     die_with_parent()
+    from ..run.torch_log import quiet_repeated_torch_warnings
+
+    quiet_repeated_torch_warnings()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -257,4 +260,8 @@ def worker_main() -> int:
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        # Not a command for people: the parent hands the job on stdin (this module's docstring).
+        print(f"usage: python -m trainer.data.regen_worker < PICKLED_JOB\n\n{__doc__}")
+        sys.exit(0)
     sys.exit(worker_main())

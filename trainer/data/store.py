@@ -182,6 +182,12 @@ def write_store(
     return manifest
 
 
+def store_built(root: Path, source_key: str, chat: ChatFormat) -> bool:
+    """Whether the store of `source_key` looks built (its manifest is there): then opening it reads
+    none of its source. Cheap; open_or_build checks it whole."""
+    return (root / store_key(source_key, chat) / "manifest.json").is_file()
+
+
 def check_store(directory: Path, verify: bool = True, total: int | None = None) -> tuple[dict | None, str]:
     """(manifest, "") for a complete store of this format (of `total` conversations, when given: a
     store built from a source read short is never used once the source is whole); (None, why)

@@ -62,6 +62,10 @@ class ThreadedTopology:
         self.step_timeout_s = step_timeout_s
         self.log = log
         self.compile_lock = threading.Lock()
+        # A stop while the workers compile: their lines after it would say they finished after the
+        # run's "stopped at step 0"; they say nothing more once it is given up (under say_lock).
+        self.say_lock = threading.Lock()
+        self.given_up = False
         parallel = replicas[0].cfg.parallel
         shard = parallel.shard_optimizer and len(replicas) > 1
         self.exchange = (
@@ -103,13 +107,17 @@ class ThreadedTopology:
         began = time.monotonic()
         if replica.cfg.compile.mode != "none":
             cudagraphs = replica.cfg.compile.uses_cudagraphs
-            self.log(f"drafter on {replica.device}: compiling forward (cudagraphs={cudagraphs})")
+            self._say(f"drafter on {replica.device}: compiling forward (cudagraphs={cudagraphs})")
         replica.compile()
         replica.warm_up()
         if replica.cfg.compile.mode != "none":
-            self.log(
-                f"drafter on {replica.device}: compiled and warmed up in {time.monotonic() - began:.1f}s"
-            )
+            took = time.monotonic() - began
+            self._say(f"drafter on {replica.device}: compiled and warmed up in {took:.1f}s")
+
+    def _say(self, text: str) -> None:
+        with self.say_lock:
+            if not self.given_up:
+                self.log(text)
 
     def _train_shard(
         self, rank: int, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None
@@ -172,8 +180,13 @@ class ThreadedTopology:
             thread.start()
 
     def wait_ready(self, should_stop: Callable[[], bool]) -> bool:
-        """Wait until every worker has warmed up. False if should_stop() turned true first."""
-        return self._collect("ready", should_stop) is not None
+        """Wait until every worker has warmed up. False if should_stop() turned true first: from then
+        on the workers' compile lines are left out (the run's stop lines come after this)."""
+        if self._collect("ready", should_stop) is not None:
+            return True
+        with self.say_lock:
+            self.given_up = True
+        return False
 
     def step(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor | None = None

@@ -216,8 +216,10 @@ class EventLog:
         if event == "restart":
             restart = {key: row[key] for key in ("time", "step", "reason")}
             record.update(state="running", restarts=[*record.get("restarts", []), restart])
-            for key in ("exit_status", "exit_reason", "ended_at"):
+            for key in ("exit_status", "exit_reason", "ended_at", "exiting"):
                 record.pop(key, None)
+            if record.get("stage") == "exiting":  # the crashed process's way out, not the new one's
+                record.pop("stage")
         elif event in ("crash", "failed") and row["exit_status"] is not None:
             # The trainer's own verdict (noted in the record as it ended) is the better reason.
             own = record.get("exit_reason") if record.get("state") in ("crashed", "failed") else None

@@ -117,9 +117,12 @@ def eval_prompts(index: DataIndex, chat: ChatFormat, held_out: int) -> list[list
 
 
 def prepare_data(cfg: Config, source: DataSource, engines: Engines, world, out, should_stop,
-                 out_dir: Path | None, held_out: int | None = None) -> PreparedData | None:  # fmt: skip
+                 out_dir: Path | None, held_out: int | None = None,
+                 will_read: Callable[[str], bool] | None = None) -> PreparedData | None:  # fmt: skip
     """The run's data (see PreparedData); None when a stop came during the regeneration (what is
-    done is kept). Bad data raises BadInput naming the file and line."""
+    done is kept). Bad data raises BadInput naming the file and line. will_read(key): whether the
+    regenerated data of that key is read whole next (its token store is not built yet): then every
+    shard's contents are checked first, and a damaged one is generated again in this start."""
     held_out = cfg.train.eval_prompts if held_out is None else held_out
     settings = settings_of(cfg)
     # The key is of exactly the bytes indexed (one pass), and every later read is checked against them.
@@ -143,6 +146,9 @@ def prepare_data(cfg: Config, source: DataSource, engines: Engines, world, out, 
     )  # fmt: skip
     for path, why in regeneration.damaged():
         out.line(f"data: {path} cannot be used: {why}; it is regenerated")
+    if will_read is not None and will_read(key):
+        for path, why in regeneration.set_aside_damaged():
+            out.line(f"data: {path} cannot be used: {why}; it is regenerated")
     if line := others_line(regeneration):
         out.line(line)
     try:
@@ -272,9 +278,14 @@ def generate_share(cfg, regeneration: Regeneration, engines: Engines, world, pro
     cpu_threads = max(1, (cfg.parallel.cpu_threads or os.cpu_count() or 1) // here)
     jobs = [
         RegenJob(
-            device=str(device), kept_in=str(regeneration.directory), regeneration=regeneration,
-            target_path=engines.target_path, dtype=engines.dtype, worker=world.rank * here + number,
-            workers=world.world_size * here, threads=cpu_threads if device.type == "cpu" else None,
+            device=str(device),
+            kept_in=str(regeneration.directory),
+            regeneration=regeneration,
+            target_path=engines.target_path,
+            dtype=engines.dtype,
+            worker=world.rank * here + number,
+            workers=world.world_size * here,
+            threads=cpu_threads if device.type == "cpu" else None,
             compile_root=compile_root,
         )
         for number, device in enumerate(engines.devices)

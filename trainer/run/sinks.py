@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..config import Config, dump_config
+from .runrecord import note
 
 
 class SilentOutput:
@@ -63,8 +64,9 @@ class FileOutput(ConsoleOutput):
     def line(self, text: str) -> None:
         with self.lock:
             print(text, flush=True)
-            self.log_file.write(text + "\n")
-            self.log_file.flush()
+            if not self.log_file.closed:  # a library's thread may still speak after the end
+                self.log_file.write(text + "\n")
+                self.log_file.flush()
 
     def metric(self, row: dict[str, Any]) -> None:
         self.metrics.write(json.dumps(row) + "\n")
@@ -77,13 +79,18 @@ class FileOutput(ConsoleOutput):
         if self.trackers is not None:
             self.trackers.metric(row)
 
+    def note_exiting(self, what: str) -> None:
+        note(self.out_dir, stage="exiting", exiting=what)
+
     def close(self, stopped: bool = False) -> None:
         """stopped: the run ends on a stop signal (else it finished, or crashed where an exception
-        is on its way out): what the trackers are told."""
+        is on its way out): what the trackers are told. While the run waits for them, its record
+        says `stage: exiting` (status: `exiting`)."""
         if self.trackers is not None:
             error = sys.exc_info()[1]
             crashed = f"crashed: {type(error).__name__}: {error}" if error is not None else ""
-            self.trackers.close(crashed or ("stopped" if stopped else "finished"))
+            outcome = crashed or ("stopped" if stopped else "finished")
+            self.trackers.close(outcome, waiting=self.note_exiting)
         self.log_file.close()
         self.metrics.close()
         if self.board is not None:

@@ -5,9 +5,11 @@ The rank that writes the run's files reports: the config when the run starts (fl
 row's step), the lines of <out>/events.jsonl (start, regen, crash, restart, ...) and how this
 process ended (finished, stopped, crashed).
 
-- MLflow: the server MLFLOW_TRACKING_URI names (with MLFLOW_TRACKING_TOKEN or
-  MLFLOW_TRACKING_USERNAME/PASSWORD where it needs them), else a local store under <out>/mlruns
-  (MLflow's file store; `mlflow ui --backend-store-uri <out>/mlruns` shows it). Events are tags
+- MLflow: the server or database MLFLOW_TRACKING_URI names (with MLFLOW_TRACKING_TOKEN or
+  MLFLOW_TRACKING_USERNAME/PASSWORD where it needs them), else MLflow's own default, a SQLite
+  database, here <out>/mlflow.db (`mlflow ui --backend-store-uri sqlite:///<out>/mlflow.db` shows
+  it). A run whose output already holds the legacy file store <out>/mlruns and no database keeps
+  using it, so that a resume continues the same MLflow run. Events are tags
   (`dflash.event.0001`, ...; `dflash.state` the latest); the run ends FINISHED, KILLED (stopped)
   or FAILED (crashed).
 - Weights & Biases: online with WANDB_API_KEY, else offline under <out>/wandb (`wandb sync`
@@ -18,13 +20,18 @@ A resumed run continues the same tracker runs: their ids are kept in <out>/track
 many events each one was already sent. Each tracker works on a thread of its own, so a slow or
 unreachable server never holds a training step nor another tracker; a tracker that fails (package
 missing, server down, a call refused) costs one warning line and is left out for the rest of this
-process, and at the end the run waits at most CLOSE_TIMEOUT_S for the trackers to finish.
+process. At the end (after the trainer has let go of its GPU memory) the run waits at most
+CLOSE_TIMEOUT_S (15 s) for the trackers to send what is left, says so in one line and notes
+`stage: exiting` in its run record meanwhile (status says `exiting`); a tracker still busy then is
+named with what it was doing, and the process ends without it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import logging
 import os
 import queue
 import re
@@ -39,9 +46,21 @@ from typing import Any
 from .events import read_events
 
 TRACKERS_FILE = "trackers.json"
-CLOSE_TIMEOUT_S = 60.0
+CLOSE_TIMEOUT_S = 15.0
+# Trackers that end within this are waited for without a word.
+QUIET_WAIT_S = 1.0
+# MLflow's REST client retries a server that does not answer for about two minutes by default: a
+# few tries with short timeouts tell within the end's wait that it is down, and why. The user's own
+# settings of these variables win.
+MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+# wandb.init waits this long for its server (wandb's own default is 90 s).
+WANDB_INIT_TIMEOUT_S = 10.0
 QUEUE_SIZE = 10_000
-PACKAGES = {"mlflow": "mlflow-skinny==3.17.2", "wandb": "wandb==0.31.0"}
+# What the workspace role installs for each (roles/workspace/defaults/main.yml): MLflow's database
+# stores need SQLAlchemy and alembic, which mlflow-skinny does not pull in.
+PACKAGES = {"mlflow": "mlflow-skinny==3.17.2 sqlalchemy==2.1.9 alembic==1.20.1", "wandb": "wandb==0.31.0"}
+# Tracking URI schemes that MLflow serves from a database through SQLAlchemy.
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 # Environment variables whose values are secrets: never in a warning, a log line or trackers.json.
 SECRET_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "WANDB_API_KEY")
 # How each way this process can end is said to each tracker.
@@ -66,7 +85,8 @@ def redact(text: str) -> str:
             text = text.replace(value, f"<{name}>")
     text = re.sub(r"//[^/@\s]+@", "//<credentials>@", text)
     line = next((part.strip() for part in text.splitlines() if part.strip()), "")
-    return line[:300]
+    # A long error's cause is at its end (`... Caused by ...: [Errno 111] Connection refused`).
+    return line if len(line) <= 300 else f"{line[:150]} ... {line[-145:]}"
 
 
 def metric_values(row: dict[str, Any]) -> dict[str, float]:
@@ -85,14 +105,28 @@ class MlflowTracker:
     def __init__(self, out_dir: Path, run_name: str):
         self.out_dir, self.run_name = out_dir, run_name
 
+    def store_uri(self) -> str:
+        """MLFLOW_TRACKING_URI, else the output's legacy file store where it has one, else its database."""
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            return os.environ["MLFLOW_TRACKING_URI"]
+        legacy = self.out_dir / "mlruns"
+        if legacy.is_dir() and not (self.out_dir / "mlflow.db").exists():
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps it only on request
+            return str(legacy)
+        return f"sqlite:///{self.out_dir.resolve() / 'mlflow.db'}"
+
     def start(self, state: dict, config: dict[str, Any]) -> dict:
         """Continue the run state names when it is in the same store, else create one; the new state."""
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or str(self.out_dir / "mlruns")
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            # MLflow 3 keeps its file store only on request; it needs no server and no database.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        uri = self.store_uri()
+        for name, value in MLFLOW_HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        scheme = uri.split(":", 1)[0].split("+", 1)[0] if "://" in uri else ""
+        if scheme in DATABASE_SCHEMES and not all(map(importlib.util.find_spec, ("sqlalchemy", "alembic"))):
+            raise MissingPackage(f"MLflow's {scheme} store needs SQLAlchemy and alembic, which are missing")
         from mlflow import MlflowClient
 
+        # MLflow says at INFO level that it creates a new database's tables: not news for the run's log.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
         self.client = MlflowClient(tracking_uri=uri)
         # The store is kept as a hash: a tracking URI may hold credentials.
         store = hashlib.sha256(uri.encode()).hexdigest()[:16]
@@ -102,10 +136,17 @@ class MlflowTracker:
         else:
             experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "dflash"
             found = self.client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+            experiment_id = found.experiment_id if found else self.create_experiment(experiment, uri)
             self.run_id = self.client.create_run(experiment_id, run_name=self.run_name).info.run_id
         self.log_config(flat_config(config))
         return {"store": store, "run_id": self.run_id}
+
+    def create_experiment(self, name: str, uri: str) -> str:
+        # A local database keeps no artifacts itself: MLflow's default place for them is relative to
+        # the working directory; the run's output holds them instead.
+        local = uri.startswith("sqlite:") and not os.environ.get("MLFLOW_TRACKING_URI")
+        where = (self.out_dir.resolve() / "mlartifacts").as_uri() if local else None
+        return self.client.create_experiment(name, artifact_location=where)
 
     def log_config(self, config: dict[str, str]) -> None:
         """The config as params; a resume that changed a setting (MLflow's params never change)
@@ -155,7 +196,9 @@ class WandbTracker:
             secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)
         )
         # console off: the trainer's stdout is the run's log and stays as it is.
-        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
+        settings = wandb.Settings(
+            console="off", silent=True, x_disable_stats=True, init_timeout=WANDB_INIT_TIMEOUT_S
+        )
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or "dflash", name=self.run_name, id=run_id,
             resume="allow", dir=str(self.out_dir), mode=mode, config=config, settings=settings,
@@ -188,7 +231,24 @@ class WandbTracker:
         self.run.finish(exit_code=1 if outcome.startswith("crashed") else 0)
 
 
+class MissingPackage(ImportError):
+    """A package a tracker needs for what the run asks of it, with the reason in its own words."""
+
+
 TRACKER_CLASSES = {"mlflow": MlflowTracker, "wandb": WandbTracker}
+# The fields of each tracker's entry in trackers.json that name its run (strings, when present).
+RUN_FIELDS = {"mlflow": ("store", "run_id"), "wandb": ("id",)}
+
+
+def state_damage(name: str, state: Any) -> str | None:
+    """What is wrong with one tracker's entry of trackers.json, or None."""
+    if not isinstance(state, dict):
+        return f"is {str(state)[:40]!r}, not an object"
+    for field in RUN_FIELDS.get(name, ()):
+        value = state.get(field)
+        if field in state and not (isinstance(value, str) and value):
+            return f"{field} is {str(value)[:40]!r}, not a name"
+    return None
 
 
 class Trackers:
@@ -196,7 +256,8 @@ class Trackers:
     one that hangs holds neither a step nor the others."""
 
     def __init__(self, names: list[str], out_dir: Path, config: dict[str, Any], warn: Callable[[str], None]):
-        self.out_dir, self.warn = out_dir, warn
+        self.out_dir, self.say = out_dir, warn
+        self.closed = False  # after close: the run's log is closed, a late thread's words are dropped
         self.lock = threading.Lock()  # trackers.json, written by every tracker's thread
         self.unwritable = False
         self.state = self.read_state()
@@ -211,21 +272,41 @@ class Trackers:
         for worker in self.workers:
             worker.submit(("metric", row))
 
-    def close(self, outcome: str) -> None:
+    def warn(self, text: str) -> None:
+        if not self.closed:
+            self.say(text)
+
+    def close(self, outcome: str, waiting: Callable[[str], None] | None = None) -> None:
         """Send what is left and end each tracker's run, waiting at most CLOSE_TIMEOUT_S in all.
-        outcome: finished, stopped, or crashed: <the exception> (which the trackers are told)."""
+        outcome: finished, stopped, or crashed: <the exception> (which the trackers are told).
+        waiting(what): called once where the wait is longer than a moment (the run record notes it)."""
         outcome = redact(outcome)
         for worker in self.workers:
             worker.submit(("end", outcome))
-        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        began = time.monotonic()
+        self.join(began + min(QUIET_WAIT_S, CLOSE_TIMEOUT_S))
+        busy = self.busy()
+        if busy:
+            names = ", ".join(busy)
+            what = f"waiting at most {CLOSE_TIMEOUT_S:g}s for tracker(s) {names} to send what is left"
+            self.warn(f"trackers: {what}")
+            if waiting is not None:
+                waiting(what)
+            self.join(began + CLOSE_TIMEOUT_S)
+        for worker in self.workers:
+            if worker.thread.is_alive():
+                self.warn(
+                    f"tracker {worker.tracker.name}: still {worker.doing} after {CLOSE_TIMEOUT_S:g}s; the "
+                    "run ends without it (what did not reach it is in metrics.jsonl and events.jsonl)"
+                )
+        self.closed = True
+
+    def join(self, deadline: float) -> None:
         for worker in self.workers:
             worker.thread.join(max(0.0, deadline - time.monotonic()))
-        busy = [worker.tracker.name for worker in self.workers if worker.thread.is_alive()]
-        if busy:
-            self.warn(
-                f"trackers: {', '.join(busy)} still busy after {CLOSE_TIMEOUT_S:g}s; the run ends without "
-                "waiting (what did not reach a tracker is in metrics.jsonl and events.jsonl)"
-            )
+
+    def busy(self) -> list[str]:
+        return [worker.tracker.name for worker in self.workers if worker.thread.is_alive()]
 
     def lost(self, name: str, what: str, exc: Exception) -> None:
         """The one warning line of a tracker that is left out from now on."""
@@ -242,7 +323,31 @@ class Trackers:
                 f"trackers: {TRACKERS_FILE} is unreadable ({type(exc).__name__}); new tracker runs begin"
             )
             return {}
-        return state if isinstance(state, dict) else {}
+        if not isinstance(state, dict):
+            self.warn(
+                f"trackers: {TRACKERS_FILE} holds {type(state).__name__}, not an object of tracker "
+                "states; new tracker runs begin"
+            )
+            return {}
+        return {name: self.checked(name, value) for name, value in state.items()}
+
+    def checked(self, name: str, state: Any) -> Any:
+        """One tracker's entry of trackers.json as its thread can use it: a damaged one is said
+        once, with what happens now, and replaced (never written back as it was)."""
+        if name not in TRACKER_CLASSES:
+            return state  # another tracker's: kept as it is for a later run that reports to it
+        damage = state_damage(name, state)
+        if damage:
+            self.warn(f"trackers: {TRACKERS_FILE}: {name} {damage}; a new {name} run begins")
+            return {}
+        sent = state.get("events_sent", 0)
+        if isinstance(sent, bool) or not isinstance(sent, int) or sent < 0:
+            self.warn(
+                f"trackers: {TRACKERS_FILE}: {name} events_sent is {str(sent)[:40]!r}, not a count of "
+                f"events; {name} is sent every event again from the first"
+            )
+            return {**state, "events_sent": 0}
+        return state
 
     def save(self, name: str, state: dict[str, Any]) -> None:
         """One tracker's state into <out>/trackers.json, replaced whole (a crash mid-write leaves
@@ -271,6 +376,8 @@ class TrackerWorker:
         self.queue: queue.Queue = queue.Queue(QUEUE_SIZE)
         self.dead = self.dropped = False
         self.events_seen = -1  # the size of events.jsonl when last read
+        # What a tracker still busy at the end was doing, for the line that says so.
+        self.doing = "starting (no answer from its server yet)"
         self.thread = threading.Thread(target=self.work, name=f"tracker-{tracker.name}", daemon=True)
         self.thread.start()
 
@@ -291,7 +398,9 @@ class TrackerWorker:
         if not self.start():
             return
         while True:
+            self.doing = "waiting for rows"
             kind, value = self.queue.get()
+            self.doing = "sending (no answer from its server yet)"
             if kind == "metric" and not self.call("metric", value):
                 return
             if not self.forward_events():
@@ -305,11 +414,11 @@ class TrackerWorker:
         try:
             sent = self.state.get("events_sent", 0)
             self.state = {**self.tracker.start(self.state, self.config), "events_sent": sent}
-        except ImportError:
+        except ImportError as exc:
             self.dead = True
+            missing = str(exc) if isinstance(exc, MissingPackage) else f"the {name} package is missing"
             self.owner.warn(
-                f"tracker {name}: the {name} package is missing (pip install {PACKAGES[name]}); "
-                "the run goes on without it"
+                f"tracker {name}: {missing} (pip install {PACKAGES[name]}); the run goes on without it"
             )
             return False
         except Exception as exc:

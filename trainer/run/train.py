@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from ..data.chat import ChatFormat, DataError
 from ..data.embedded import ensure_embedded
 from ..data.regen import ShardDamaged
 from ..data.rows import Batch, Loader, build_train_set, valid_anchor_count
-from ..data.store import BuildStopped, open_or_build
+from ..data.store import BuildStopped, open_or_build, store_built
 from ..model.drafter import target_layer_ids
 from ..model.evaluate import acceptance_length
 from ..model.target import load_target, load_tokenizer, num_target_layers
@@ -162,7 +163,8 @@ def train(cfg: Config, out_dir: Path, resume: bool, began: float | None = None) 
 def run_training(
     cfg: Config, out_dir: Path, resume: bool, place: Placement, clock: StartupClock | None = None
 ) -> int:
-    """The run on this process (threads: the only call; processes: one per rank)."""
+    """The run on this process (threads: the only call; processes: one per rank). Its output is
+    closed (the trackers waited for) only once the models' memory is given back."""
     world = place.world
     clock = clock or StartupClock(time.perf_counter())
     resume_from = preload = None
@@ -175,9 +177,46 @@ def run_training(
             if preload is not None:
                 preload.thread.join()  # nothing of the run is left running behind a refusal
             raise
+    # In a list that train_models empties: no frame but its own holds the checkpoint's tensors.
+    resume_point = [resume_from]
+    del resume_from
     out = open_output(cfg, out_dir, writes_files=world.is_lead, prints_lines=world.local_rank == 0)
     stop = StopFlag()
     stop.install()
+    try:
+        return train_models(cfg, out_dir, resume, resume_point, place, out, stop, clock, preload)
+    except BaseException as exc:
+        # The frames of a crash hold the models, batches and optimizer until the process ends:
+        # their locals go (the traceback keeps its lines) so the memory is given back below.
+        traceback.clear_frames(exc.__traceback__)
+        raise
+    finally:
+        release_memory(place.devices)
+        out.close(stopped=stop())
+        stop.uninstall(ignore_late_signals=cfg.run.topology == "process" and launched_by_torchrun())
+
+
+def release_memory(devices: list[torch.device]) -> None:
+    """Give the GPU memory of a run that has ended back to the driver (other processes see it free)."""
+    gc.collect()
+    if any(device.type == "cuda" for device in devices):
+        torch.cuda.empty_cache()
+
+
+def train_models(
+    cfg: Config,
+    out_dir: Path,
+    resume: bool,
+    resume_point: list[ResumePoint | None],
+    place: Placement,
+    out: Output,
+    stop: StopFlag,
+    clock: StartupClock,
+    preload: TargetLoad | None,
+) -> int:
+    """Load the models, prepare the data and train: every tensor of the run lives in this call."""
+    world = place.world
+    resume_from = resume_point.pop()
     topology = run = None
     try:
         out.line(describe_run(cfg, out_dir, place))
@@ -205,8 +244,6 @@ def run_training(
             run.close_checkpoints()
         if topology is not None:
             topology.close()
-        out.close(stopped=stop())
-        stop.uninstall(ignore_late_signals=cfg.run.topology == "process" and launched_by_torchrun())
 
 
 def describe_run(cfg: Config, out_dir: Path, place: Placement) -> str:
@@ -268,7 +305,8 @@ class TargetLoad:
             return None
         if self.error is not None:
             raise self.error
-        return self.model
+        model, self.model = self.model, None  # handed over: this load holds no tensor of the run's end
+        return model
 
 
 def load_models(
@@ -388,7 +426,12 @@ def regenerated_examples(cfg: Config, models: Models, place: Placement, out: Out
     for device in dict.fromkeys(place.devices):  # the data stage's own peak, not the warm-up's
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-    prepared = prepare_data(cfg, source, engines, place.world, out, should_stop, out_dir)
+    store_root = Path(cfg.data.cache_dir).expanduser() / "store"
+
+    def will_read(data_key: str) -> bool:  # the same key as load_data's token store
+        return not store_built(store_root, f"{data_key}|held_out={cfg.train.eval_prompts}", models.chat)
+
+    prepared = prepare_data(cfg, source, engines, place.world, out, should_stop, out_dir, will_read=will_read)
     release_data_stage_memory(place.devices, out)
     if prepared is None:
         return None

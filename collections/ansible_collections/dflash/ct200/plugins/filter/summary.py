@@ -87,9 +87,12 @@ def status_line(report: dict) -> str:
         return f"regenerating: {run} as PID {pid} (the target regenerates its data; {follows})"
     if state == "running":
         ended = report.get("recorded_state")
-        if ended in RECORDED_ENDS:
-            # The run record is written before the process ends: between the two it still runs.
-            return f"running: {run} as PID {pid}, exiting (its run record says {ended})"
+        if ended in RECORDED_ENDS or report.get("stage") == "exiting":
+            # The run record is written before the process ends: between the two it still runs
+            # (waiting for its trackers, the record says so too).
+            said = [f"its run record says {ended}"] if ended in RECORDED_ENDS else []
+            said += [report["exiting"]] if report.get("exiting") else []
+            return f"running: {run} as PID {pid}, exiting ({'; '.join(said) or 'its run has ended'})"
         return f"running: {run} as PID {pid}"
     if state == "exited":
         status = report.get("exit_status")
@@ -182,8 +185,10 @@ def repair_said(line, write: dict | None = None) -> str | None:
         kept = "cache repaired"
     else:
         return line
-    line = str(line).replace("cache and ledger repaired", kept).replace(
-        "record and ledger updated", kept.replace("repaired", "updated")
+    line = (
+        str(line)
+        .replace("cache and ledger repaired", kept)
+        .replace("record and ledger updated", kept.replace("repaired", "updated"))
     )
     return "; but ".join([line, *(error for error in (cache_error, ledger_error) if error)])
 

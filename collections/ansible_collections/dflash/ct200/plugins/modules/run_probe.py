@@ -166,9 +166,20 @@ last_progress:
   type: str
   returned: always
 stage:
-  description: C(regenerating) while a live run's target regenerates its data before training (docs/DATA.md).
+  description:
+    - C(regenerating) while a live run's target regenerates its data before training (docs/DATA.md).
+    - C(exiting) while a live run has ended its run (its run record says how, or says C(stage=exiting))
+      and its process is on its way out, for instance waiting for its experiment trackers.
   type: str
   returned: when the run record says so
+recorded_state:
+  description: The state in the target's run record of a live run that is C(exiting) (finished, ..., running).
+  type: str
+  returned: with RV(stage) C(exiting)
+exiting:
+  description: What an C(exiting) run waits for, as its run record says (for instance its trackers), or null.
+  type: str
+  returned: with RV(stage) C(exiting)
 data_only:
   description: Whether the regenerating run only prepares its data (C(--data-only), C(./dev.sh regen)).
   type: bool
@@ -312,6 +323,7 @@ from ansible_collections.dflash.ct200.plugins.module_utils.run_record import (
     read_record,
 )
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
+    ENDED_STATES,
     PROGRESS_RE,
     VERDICT_LINES,
     boot_id,
@@ -463,6 +475,13 @@ def target_report(module: AnsibleModule) -> dict:
     result["last_checkpoint"] = (
         {"step": newest[0], "path": newest[1], "kept": [found[0] for found in kept]} if newest else None
     )
+    if result["state"] == "running" and (
+        target_record.get("stage") == "exiting" or target_record.get("state") in ENDED_STATES
+    ):
+        # The run has ended and its process is on its way out (docs/OPERATING.md): the target's record
+        # says so, whatever the controller's cache still holds.
+        result.update(stage="exiting", recorded_state=target_record.get("state"))
+        result["exiting"] = target_record.get("exiting")
     if result["state"] == "exited":
         if run is not None and run.get("exit_status") is not None:
             result.update(exit_status=run["exit_status"], exit_reason=run["exit_reason"])
