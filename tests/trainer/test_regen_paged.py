@@ -1,0 +1,188 @@
+"""The paged regeneration engine (trainer/data/engine/): continuous batching over a paged KV cache.
+Every answer equals plain greedy `generate` of its prompt alone in float32, whatever its neighbours,
+whatever its slot and pages held before, chunked prefills and preemptions included; the scheduler
+refills a slot at once and preempts the newest sequence when the pages run out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.data.chat import ChatFormat, iter_conversations
+from trainer.data.engine import PagedEngine, PagedSettings
+from trainer.data.engine import step as paged_step
+from trainer.data.engine.scheduler import Scheduler, Sequence
+from trainer.model.target import load_target, load_tokenizer
+
+pytestmark = pytest.mark.unit
+
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def tiny(embedded):
+    """(target on cpu in float32, chat format) of the embedded default."""
+    target_path, _ = embedded
+    return load_target(target_path, "cpu", "float32"), ChatFormat(load_tokenizer(target_path))
+
+
+def greedy(target, prompt: list[int], end_id: int, new_tokens: int = NEW_TOKENS) -> list[int]:
+    ids = torch.tensor([prompt])
+    output = target.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+        eos_token_id=end_id, pad_token_id=0,
+    )[0, len(prompt) :].tolist()  # fmt: skip
+    return output[: output.index(end_id)] if end_id in output else output
+
+
+@pytest.fixture(scope="module")
+def prompts_and_answers(embedded, tiny):
+    """Twelve prompts of 3 to 58 tokens, an end token that ends some answers after 0 to 6 tokens
+    (the commonest early token of the free-running answers), and each prompt's answer alone."""
+    target, chat = tiny
+    texts = [" ".join(m["content"] for m in messages) for _, messages in iter_conversations(embedded[1])]
+    prompts = [(chat.text(texts[i]) * 8)[: 3 + 5 * i] for i in range(12)]
+    free_running = [greedy(target, p, end_id=-1) for p in prompts]
+    early = [token for answer in free_running for token in answer[:8]]
+    end_id = max(set(early), key=early.count)
+    answers = [greedy(target, p, end_id) for p in prompts]
+    assert any(len(a) < NEW_TOKENS for a in answers) and any(len(a) == NEW_TOKENS for a in answers)
+    return prompts, end_id, answers
+
+
+def engine(target, **changes) -> PagedEngine:
+    base = {"slots": 3, "page_size": 4, "pages": 64, "max_tokens": 80, "chunk": 8}
+    return PagedEngine(target, PagedSettings(**{**base, **changes}))
+
+
+@pytest.mark.parametrize("pages", [64, 26], ids=["roomy", "preempting"])
+def test_every_answer_equals_greedy_generate_of_its_prompt_alone(tiny, prompts_and_answers, pages):
+    """More prompts than slots (each slot runs several in turn), prompts longer than a prefill chunk,
+    answers that end early; with a pool of 25 pages the newest sequences are preempted and
+    recomputed."""
+    prompts, end_id, reference = prompts_and_answers
+    paged = engine(tiny[0], pages=pages)
+    answers = paged.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+    assert [answers[i] for i in range(len(prompts))] == reference
+    assert (paged.preemptions > 0) == (pages == 26)
+    assert paged.prefill_chunks > len(prompts)  # chunked
+
+
+def test_a_query_that_sees_past_its_own_positions_changes_the_answers(tiny, prompts_and_answers, monkeypatch):
+    """The exactness test has teeth: with a mask that shows the rest of a sequence's last page (a
+    reused page's old keys, a fresh page's zeros) the answers are no longer greedy generate's."""
+    prompts, end_id, reference = prompts_and_answers
+    page_size = 4
+
+    def whole_last_page(positions, keys):
+        key_positions = torch.arange(keys, device=positions.device)
+        return (key_positions <= (positions[:, :, None] | (page_size - 1)))[:, None]
+
+    monkeypatch.setattr(paged_step, "visible", whole_last_page)
+    answers = engine(tiny[0], page_size=page_size).generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+    assert [answers[i] for i in range(len(prompts))] != reference
+
+
+def test_a_next_turn_is_queued_when_its_answer_is_done_and_sees_that_answer(tiny, prompts_and_answers):
+    prompts, end_id, reference = prompts_and_answers
+    target, chat = tiny
+    follow = chat.text(" and then")
+    queued_after: dict = {}
+
+    def next_turn(key, answer):
+        if isinstance(key, tuple):
+            return []
+        queued_after[key] = paged.decode_steps
+        return [((key, 2), prompts[key] + answer + follow)]
+
+    paged = engine(target, pages=40, max_tokens=120)
+    answers = paged.generate(list(enumerate(prompts[:6])), NEW_TOKENS, end_id, follow_up=next_turn)
+    for i in range(6):
+        assert answers[i] == reference[i]
+        assert answers[(i, 2)] == greedy(target, prompts[i] + reference[i] + follow, end_id)
+    # the first turns end at different steps, and their next turns start then, not after them all
+    assert len(set(queued_after.values())) > 1
+
+
+def test_a_stop_between_iterations_returns_none(tiny, prompts_and_answers):
+    prompts, end_id, _ = prompts_and_answers
+    calls = iter(range(100))
+    paged = engine(tiny[0])
+    stop = lambda: next(calls) == 5  # noqa: E731
+    stopped = paged.generate(list(enumerate(prompts)), NEW_TOKENS, end_id, should_stop=stop)
+    assert stopped is None and paged.iterations == 5
+
+
+def test_bad_settings_and_a_prompt_too_long_for_a_slot_are_refused_with_the_way_out(tiny):
+    with pytest.raises(ValueError, match=r"pool holds 9 .*raise data\.regen_batch_tokens"):
+        PagedSettings(slots=2, page_size=16, pages=10, max_tokens=1024, chunk=64)
+    with pytest.raises(ValueError, match="page_size must be at least 1, got 0"):
+        PagedSettings(slots=2, page_size=0, pages=10, max_tokens=64, chunk=64)
+    with pytest.raises(ValueError, match="a prompt of 70 tokens and 20 new ones do not fit a slot of 80"):
+        engine(tiny[0]).generate([(0, [1] * 70)], NEW_TOKENS, end_id=2)
+
+
+# ---- the scheduler alone ----
+
+
+def decode_once(scheduler: Scheduler) -> None:
+    """What the engine does to the decoding sequences in a step (without a model)."""
+    for sequence in scheduler.decoding():
+        sequence.computed += 1
+        sequence.answer.append(7)
+
+
+def prefill_all(scheduler: Scheduler) -> None:
+    while (chunk := scheduler.next_chunk()) is not None:
+        chunk.sequence.computed += len(chunk.tokens)
+        if chunk.last:
+            chunk.sequence.decoding = True
+            chunk.sequence.answer.append(7)
+
+
+def test_a_slot_that_ends_is_refilled_at_the_next_iteration_without_waiting_for_the_others():
+    scheduler = Scheduler(slots=2, pages=32, page_size=4, max_pages=8, chunk=4)
+    for key in "abc":
+        scheduler.add(Sequence(key, [1, 2, 3]))
+    for _ in range(2):
+        scheduler.admit()
+        prefill_all(scheduler)
+    a, b = scheduler.slots
+    assert (a.key, b.key) == ("a", "b") and [s.key for s in scheduler.waiting] == ["c"]
+    decode_once(scheduler)
+    scheduler.release(a)  # "a" ended; "b" goes on decoding
+    scheduler.admit()
+    assert scheduler.slots[0].key == "c" and scheduler.slots[1] is b
+    assert scheduler.next_chunk().tokens == [1, 2, 3]
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_an_iteration():
+    scheduler = Scheduler(slots=2, pages=32, page_size=4, max_pages=8, chunk=4)
+    scheduler.add(Sequence("long", list(range(10))))
+    scheduler.admit()
+    chunks = []
+    while (chunk := scheduler.next_chunk()) is not None:
+        chunks.append((chunk.start, len(chunk.tokens), chunk.last))
+        chunk.sequence.computed += len(chunk.tokens)
+        chunk.sequence.decoding = chunk.last
+    assert chunks == [(0, 4, False), (4, 4, False), (8, 2, True)]
+
+
+def test_a_dry_pool_preempts_the_newest_sequence_back_to_the_front_of_the_queue():
+    # 6 pages to hand out, pages of 2 tokens: "old" (3 tokens) takes 2, "new" (3 tokens) takes 2
+    scheduler = Scheduler(slots=3, pages=7, page_size=2, max_pages=6, chunk=8)
+    scheduler.add(Sequence("old", [1, 2, 3]))
+    scheduler.add(Sequence("new", [1, 2, 3]))
+    scheduler.add(Sequence("later", [1] * 7))
+    for _ in range(2):
+        scheduler.admit()
+        prefill_all(scheduler)
+    scheduler.admit()  # "later" needs 4 pages + a reserve of 2: it waits
+    assert [s.key for s in scheduler.waiting] == ["later"] and scheduler.allocator.free == 2
+    for _ in range(5):  # each sequence grows a page every 2 tokens
+        scheduler.grow()
+        decode_once(scheduler)
+    old, new = scheduler.slots[0], next((s for s in scheduler.waiting if s.key == "new"), None)
+    assert old.key == "old" and new is not None and scheduler.waiting[0] is new
+    assert new.pages == [] and new.computed == 0 and not new.decoding and scheduler.preemptions == 1
+    assert len(old.pages) * 2 >= old.computed  # every position written has its page

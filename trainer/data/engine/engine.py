@@ -1,0 +1,148 @@
+"""The loop: admit, grow, one decode step of every decoding slot, one prefill chunk, retire.
+
+A request is (key, prompt); `follow_up(key, answer)` may return the requests its answer makes
+possible (a conversation's next turn, whose prompt holds this answer), queued at once. Answers
+are greedy and equal plain `generate`'s for each prompt alone (in float32): each sequence sees only
+its own pages, through masks by position, whatever its neighbours and whatever its slot or pages
+held before."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ...model.compile_cache import keeping_traces
+from .kv_pages import PagedKV, pages_for
+from .scheduler import Scheduler, Sequence
+from .step import DecodeStep, decode_step, paged_forward
+
+Request = tuple[object, list[int]]
+
+
+@dataclass(frozen=True)
+class PagedSettings:
+    """slots: sequences decoded at once (the decode step's rows). page_size: tokens a KV page holds.
+    pages: the pool's pages (one of them scratch). max_tokens: the longest sequence (prompt +
+    answer) a slot holds; the decode step reads max_tokens rounded up to pages per slot. chunk: the
+    most prompt tokens prefilled in one iteration. compile: the decode step compiled (and, on a
+    GPU, replayed as a CUDA graph)."""
+
+    slots: int
+    page_size: int
+    pages: int
+    max_tokens: int
+    chunk: int
+    compile: bool = False
+
+    def __post_init__(self):
+        for name in ("slots", "page_size", "max_tokens", "chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"paged engine: {name} must be at least 1, got {getattr(self, name)}")
+        if self.pages - 1 < self.max_pages:
+            raise ValueError(
+                f"paged engine: a sequence of {self.max_tokens} tokens takes {self.max_pages} pages of "
+                f"{self.page_size} tokens, and the pool holds {self.pages - 1} (one page is scratch); "
+                "raise data.regen_batch_tokens or lower data.regen_max_new_tokens"
+            )
+
+    @property
+    def max_pages(self) -> int:
+        return pages_for(self.max_tokens, self.page_size)
+
+
+_COMPILED_STEPS: dict = {}
+
+
+def compiled_decode_step():
+    """decode_step compiled once a process (a new wrapper would trace again), without torch's CUDA
+    graphs (DecodeStep records its own), its traces kept in the compile cache."""
+    if "step" not in _COMPILED_STEPS:
+        _COMPILED_STEPS["step"] = keeping_traces(decode_step, dynamic=False, fullgraph=False)
+    return _COMPILED_STEPS["step"]
+
+
+class PagedEngine:
+    def __init__(self, target, settings: PagedSettings):
+        parameter = next(target.parameters())
+        self.target, self.settings = target, settings
+        self.kv = PagedKV(target.config, settings.pages, settings.page_size, settings.slots,
+                          settings.max_pages, parameter.device, parameter.dtype)  # fmt: skip
+        graphed = settings.compile and parameter.device.type == "cuda"
+        step = compiled_decode_step() if settings.compile else decode_step
+        self.steps = DecodeStep(step, target, self.kv, settings.slots, graphed)
+        self.iterations = self.decode_steps = self.prefill_chunks = self.preemptions = 0
+
+    @torch.no_grad()
+    def generate(self, requests: Iterable[Request], max_new_tokens: int, end_id: int,
+                 follow_up: Callable[[object, list[int]], Iterable[Request]] | None = None,
+                 should_stop: Callable[[], bool] = lambda: False) -> dict | None:  # fmt: skip
+        """{key: answer without its end token} for every request and follow-up; None if a stop came
+        (between iterations)."""
+        s = self.settings
+        scheduler = Scheduler(s.slots, s.pages, s.page_size, s.max_pages, s.chunk)
+        for key, prompt in requests:
+            scheduler.add(self.checked(key, prompt, max_new_tokens))
+        answers = {}
+        while scheduler.busy:
+            if should_stop():
+                return None
+            scheduler.admit()
+            scheduler.grow()
+            ended = self.decode(scheduler, end_id, max_new_tokens)
+            ended += self.prefill(scheduler, end_id, max_new_tokens)
+            for sequence in ended:
+                scheduler.release(sequence)
+                answer = sequence.answer[:-1] if sequence.answer[-1] == end_id else sequence.answer
+                answers[sequence.key] = answer
+                for key, prompt in follow_up(sequence.key, answer) if follow_up else ():
+                    scheduler.add(self.checked(key, prompt, max_new_tokens))
+            self.iterations += 1
+        self.preemptions += scheduler.preemptions
+        return answers
+
+    def checked(self, key, prompt: list[int], max_new_tokens: int) -> Sequence:
+        # The last answer token is never written to the cache: prompt + max_new_tokens - 1 positions.
+        if not prompt or len(prompt) + max_new_tokens - 1 > self.settings.max_tokens:
+            raise ValueError(
+                f"paged engine: a prompt of {len(prompt)} tokens and {max_new_tokens} new ones do not fit "
+                f"a slot of {self.settings.max_tokens} tokens"
+            )
+        return Sequence(key, list(prompt))
+
+    def decode(self, scheduler: Scheduler, end_id: int, max_new_tokens: int) -> list[Sequence]:
+        decoding = scheduler.decoding()
+        if not decoding:
+            return []
+        tokens, positions = [0] * self.settings.slots, [0] * self.settings.slots
+        table = [self.kv.table_row([])] * self.settings.slots
+        for sequence in decoding:
+            tokens[sequence.slot] = sequence.answer[-1]
+            positions[sequence.slot] = sequence.computed
+            table[sequence.slot] = self.kv.table_row(sequence.pages)
+        self.steps.load(tokens, positions, table)
+        following = self.steps.next().tolist()
+        self.decode_steps += 1
+        for sequence in decoding:
+            sequence.computed += 1
+            sequence.answer.append(following[sequence.slot])
+        return [q for q in decoding if q.answer[-1] == end_id or len(q.answer) == max_new_tokens]
+
+    def prefill(self, scheduler: Scheduler, end_id: int, max_new_tokens: int) -> list[Sequence]:
+        chunk = scheduler.next_chunk()
+        if chunk is None:
+            return []
+        sequence, device = chunk.sequence, self.kv.decode_table.device
+        tokens = torch.tensor([chunk.tokens], device=device)
+        positions = torch.arange(chunk.start, chunk.start + len(chunk.tokens), device=device)[None]
+        table = torch.tensor([self.kv.table_row(sequence.pages)], device=device)
+        following = paged_forward(self.target, self.kv, tokens, positions, table)
+        self.prefill_chunks += 1
+        sequence.computed += len(chunk.tokens)
+        if not chunk.last:
+            return []
+        sequence.decoding = True
+        sequence.answer.append(int(following[0]))
+        done = sequence.answer[-1] == end_id or len(sequence.answer) == max_new_tokens
+        return [sequence] if done else []

@@ -1,0 +1,101 @@
+"""The target's forward over the paged KV cache: its own embedding, rotary embedding, decoder layers,
+final norm and LM head, called here one after the other, each layer handed its view of the pages
+(kv_pages.LayerPages) and a mask of the positions each query sees. The attention is the layers'
+own (sdpa or eager), so the arithmetic is the model's.
+
+Two shapes: a prefill chunk, one slot x up to `chunk` tokens (eager, its shape varies), and the
+decode step, every slot x one token over max_pages pages a slot: one shape for a whole run, so it
+is compiled once and, on a GPU, replayed as a CUDA graph (DecodeStep)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..decode import cache_keyword
+from .kv_pages import LayerPages, PagedKV
+
+
+def visible(positions: torch.Tensor, keys: int) -> torch.Tensor:
+    """[rows, 1, queries, keys]: a query at position p sees the keys at positions 0..p of its own
+    row's pages. Every later position is hidden, whatever a page handed out again still holds."""
+    key_positions = torch.arange(keys, device=positions.device)
+    return (key_positions <= positions[:, :, None])[:, None]
+
+
+def attention_mask(target, positions: torch.Tensor, keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mask in the form the target's attention takes: boolean (sdpa), or added to the scores."""
+    seen = visible(positions, keys)
+    if target.config._attn_implementation == "sdpa":
+        return seen
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
+
+
+def paged_forward(target, kv: PagedKV, tokens: torch.Tensor, positions: torch.Tensor, table: torch.Tensor):
+    """tokens, positions [rows, n]; table [rows, max_pages]. Writes the tokens' keys and values into
+    their pages and returns the greedy next token after each row's last one [rows]."""
+    base = getattr(target, target.base_model_prefix)
+    hidden = base.embed_tokens(tokens)
+    rotary = base.rotary_emb(hidden, positions)
+    mask = attention_mask(target, positions, kv.max_pages * kv.page_size, hidden.dtype)
+    cache_name = cache_keyword(target)
+    for index, layer in enumerate(base.layers):
+        pages = LayerPages(kv, index, table, positions)
+        hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary,
+                       **{cache_name: pages})  # fmt: skip
+    hidden = base.norm(hidden[:, -1:])
+    return target.lm_head(hidden)[:, -1].argmax(-1)
+
+
+def decode_step(target, kv: PagedKV, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One token of every slot, over the decode table (idle slots write to the scratch page)."""
+    return paged_forward(target, kv, tokens, positions, kv.decode_table)
+
+
+class DecodeStep:
+    """The decode step at its one shape, on input buffers of its own: the host loads the slots'
+    tokens, positions and tables into them in place before each step. graphed (compiled, on a
+    GPU): the first step runs the compiled step as it is, the second records it as a CUDA graph,
+    and every later step replays it, one launch a step."""
+
+    def __init__(self, step, target, kv: PagedKV, slots: int, graphed: bool):
+        device = kv.decode_table.device
+        self.step, self.target, self.kv, self.graphed = step, target, kv, graphed
+        self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        self.following = torch.zeros(slots, dtype=torch.long, device=device)
+        self.ran = False
+        self.graph = None
+
+    def load(self, tokens: list[int], positions: list[int], table: list[list[int]]) -> None:
+        device = self.tokens.device
+        self.tokens.copy_(torch.tensor(tokens, dtype=torch.long)[:, None].to(device, non_blocking=True))
+        self.positions.copy_(torch.tensor(positions, dtype=torch.long)[:, None].to(device, non_blocking=True))
+        self.kv.decode_table.copy_(torch.tensor(table, dtype=torch.long).to(device, non_blocking=True))
+
+    def run(self) -> None:
+        self.following.copy_(self.step(self.target, self.kv, self.tokens, self.positions))
+
+    def next(self) -> torch.Tensor:
+        """The next token of every slot [slots], in the step's own buffer."""
+        if self.graph is not None:
+            self.graph.replay()
+        elif not self.graphed:
+            self.run()
+        elif not self.ran:
+            self.first_run()
+        else:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.run()
+            self.graph.replay()  # recording ran nothing: this is the step itself
+        return self.following
+
+    def first_run(self) -> None:
+        # On a side stream, as recording wants: the libraries' first-call setup happens outside it.
+        device = self.tokens.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self.run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.ran = True
