@@ -309,8 +309,17 @@ class DataConfig:
     H200, docs/PERFORMANCE.md). Lower it on a GPU with less memory."""
     regen_engine: str = "static"
     """'static': `generate` with a static KV cache (compiled on CUDA) over length-sorted, left-padded
-    batches; 'continuous': transformers' continuous batching (`generate_batch`, paged attention).
-    static measured faster on an H200 (docs/PERFORMANCE.md); both give the same answers in float32."""
+    batches; 'continuous': transformers' continuous batching (`generate_batch`, paged attention);
+    'paged': the product's continuous batching over a paged KV cache (trainer/data/engine/: a slot
+    whose answer ends is refilled at once, KV memory taken a page at a time). static measured
+    faster than continuous on an H200 (docs/PERFORMANCE.md); all give the same answers in float32."""
+    regen_slots: int = 256
+    """Paged engine: sequences decoded at once (the decode step's rows, one compiled shape)."""
+    regen_page_size: int = 16
+    """Paged engine: tokens a KV page holds. The pool is regen_batch_tokens tokens of pages."""
+    regen_prefill_chunk: int = 512
+    """Paged engine: the most prompt tokens prefilled between two decode steps, so a long prompt
+    does not stall the decoding rows."""
     regen_shard_size: int = 1024
     """Conversations per shard file: the unit of resuming and of sharing work among devices."""
     regen_min_width: int = 64
@@ -345,7 +354,9 @@ class DataConfig:
         out = []
         if self.regen_max_new_tokens < 1:
             out.append(f"data.regen_max_new_tokens must be at least 1, got {self.regen_max_new_tokens}")
-        for name in ("regen_batch_size", "regen_batch_tokens", "regen_shard_size", "regen_min_width"):
+        sizes = ("regen_batch_size", "regen_batch_tokens", "regen_shard_size", "regen_min_width",
+                 "regen_slots", "regen_page_size", "regen_prefill_chunk")  # fmt: skip
+        for name in sizes:
             if getattr(self, name) < 1:
                 out.append(f"data.{name} must be at least 1, got {getattr(self, name)}")
         if self.regen_attention not in REGEN_ATTENTIONS:
@@ -354,8 +365,18 @@ class DataConfig:
         if self.regen_compile_scope not in ("step", "layers"):
             scope = self.regen_compile_scope
             out.append(f"data.regen_compile_scope must be 'step' or 'layers', got {scope!r}")
-        if self.regen_engine not in ("static", "continuous"):
-            out.append(f"data.regen_engine must be 'static' or 'continuous', got {self.regen_engine!r}")
+        if self.regen_engine not in ("static", "continuous", "paged"):
+            engine = self.regen_engine
+            out.append(f"data.regen_engine must be 'static', 'continuous' or 'paged', got {engine!r}")
+        elif self.regen_engine == "paged" and self.regen_page_size >= 1:
+            pages = self.regen_batch_tokens // self.regen_page_size
+            one_answer = -(-(self.regen_max_new_tokens + 1) // self.regen_page_size)
+            if pages - 1 < one_answer:
+                out.append(
+                    f"data.regen_batch_tokens={self.regen_batch_tokens} makes {pages} KV pages of "
+                    f"{self.regen_page_size} tokens (one kept as scratch), too few for one answer of "
+                    f"{self.regen_max_new_tokens} tokens; raise data.regen_batch_tokens"
+                )
         if not self.regen_progress_every_s > 0:
             out.append(f"data.regen_progress_every_s must be positive, got {self.regen_progress_every_s}")
         return out

@@ -5,6 +5,9 @@ refills a slot at once and preempts the newest sequence when the pages run out."
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ from trainer.data.chat import ChatFormat, iter_conversations
 from trainer.data.engine import PagedEngine, PagedSettings
 from trainer.data.engine import step as paged_step
 from trainer.data.engine.scheduler import Scheduler, Sequence
+from trainer.data.regen import DataIndex, Progress, Regeneration, RegenSettings, run_workers
 from trainer.model.target import load_target, load_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -186,3 +190,74 @@ def test_a_dry_pool_preempts_the_newest_sequence_back_to_the_front_of_the_queue(
     assert old.key == "old" and new is not None and scheduler.waiting[0] is new
     assert new.pages == [] and new.computed == 0 and not new.decoding and scheduler.preemptions == 1
     assert len(old.pages) * 2 >= old.computed  # every position written has its page
+
+
+# ---- the regeneration stage with data.regen_engine=paged ----
+
+MULTI_TURN = {
+    "messages": [
+        {"role": "system", "content": "count"},
+        {"role": "user", "content": "count from 3 to 9"},
+        {"role": "assistant", "content": "3 4 5"},
+        {"role": "user", "content": "reverse a b c"},
+        {"role": "assistant", "content": "c b a"},
+        {"role": "user", "content": "and once more"},
+        {"role": "assistant", "content": "a b c"},
+    ]
+}
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory, embedded) -> pathlib.Path:
+    """Ten conversations, two of them of three turns."""
+    rows = [json.dumps({"messages": m}) for _, m in iter_conversations(embedded[1])][:8]
+    rows[2:2] = [json.dumps(MULTI_TURN)]
+    rows[6:6] = [json.dumps(MULTI_TURN)]
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def stage(root: pathlib.Path, data, tiny, engine_name: str) -> Regeneration:
+    chat = tiny[1]
+    settings = RegenSettings(max_new_tokens=12, engine=engine_name, shard_size=4, batch_size=3, min_width=8,
+                             slots=3, page_size=4, batch_tokens=160, prefill_chunk=16)  # fmt: skip
+    regen = Regeneration(DataIndex.build(data), settings, root, "key", chat, chat.end_id, None)
+    regen.prepare()
+    return regen
+
+
+def shard_bytes(regen: Regeneration) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(regen.directory.glob("shard-*"))}
+
+
+@pytest.fixture(scope="module")
+def static_shards(tmp_path_factory, chat_data, tiny) -> dict[str, bytes]:
+    regen = stage(tmp_path_factory.mktemp("static"), chat_data, tiny, "static")
+    assert run_workers(regen, [tiny[0]], Progress(len(regen.index)), lambda: False, lambda: None, 60.0)
+    return shard_bytes(regen)
+
+
+def test_a_paged_stage_writes_the_static_stage_s_shards_byte_for_byte(
+    tmp_path, chat_data, tiny, static_shards
+):
+    regen = stage(tmp_path, chat_data, tiny, "paged")
+    progress = Progress(len(regen.index))
+    assert run_workers(regen, [tiny[0]], progress, lambda: False, lambda: None, 60.0)
+    assert shard_bytes(regen) == static_shards and len(static_shards) == 6  # 3 shards, 3 seals
+    assert progress.done == 10 and progress.tokens > 0
+    turns = [[role for role, _ in e.turns] for e in regen.examples()]
+    assert turns[2] == turns[6] == [m["role"] for m in MULTI_TURN["messages"]]
+
+
+def test_a_stopped_paged_stage_keeps_its_shards_and_the_next_start_finishes_them_the_same(
+    tmp_path, chat_data, tiny, static_shards
+):
+    regen = stage(tmp_path, chat_data, tiny, "paged")
+    assert not run_workers(
+        regen, [tiny[0]], Progress(10), lambda: len(regen.missing()) < 3, lambda: None, 60.0
+    )
+    assert regen.missing() == [1, 2]
+    again = stage(tmp_path, chat_data, tiny, "paged")
+    assert run_workers(again, [tiny[0]], Progress(10), lambda: False, lambda: None, 60.0)
+    assert shard_bytes(again) == static_shards
