@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...model.compile_cache import keeping_traces
 from .kv_pages import PagedKV, pages_for
 from .scheduler import Scheduler, Sequence
-from .step import DecodeStep, decode_step, paged_forward
+from .step import DecodeStep, decode_step, layer_pages, paged_forward
 
 Request = tuple[object, list[int]]
 
@@ -56,10 +55,13 @@ _COMPILED_STEPS: dict = {}
 
 
 def compiled_decode_step():
-    """decode_step compiled once a process (a new wrapper would trace again), without torch's CUDA
-    graphs (DecodeStep records its own), its traces kept in the compile cache."""
+    """decode_step compiled once a process (a new wrapper would trace again), at static shapes,
+    without torch's CUDA graphs (DecodeStep records its own). Inductor's output is kept in the
+    compile cache as every compile's is; Dynamo's trace is not (torch's precompile, which the static
+    engine uses, refuses this step's guards with transformers 5.24: decoder layers look up
+    `type(self).forward`, a class guard it cannot keep), so each process traces it again."""
     if "step" not in _COMPILED_STEPS:
-        _COMPILED_STEPS["step"] = keeping_traces(decode_step, dynamic=False, fullgraph=False)
+        _COMPILED_STEPS["step"] = torch.compile(decode_step, dynamic=False)
     return _COMPILED_STEPS["step"]
 
 
@@ -137,7 +139,7 @@ class PagedEngine:
         tokens = torch.tensor([chunk.tokens], device=device)
         positions = torch.arange(chunk.start, chunk.start + len(chunk.tokens), device=device)[None]
         table = torch.tensor([self.kv.table_row(sequence.pages)], device=device)
-        following = paged_forward(self.target, self.kv, tokens, positions, table)
+        following = paged_forward(self.target, layer_pages(self.kv, table, positions), tokens, positions)
         self.prefill_chunks += 1
         sequence.computed += len(chunk.tokens)
         if not chunk.last:

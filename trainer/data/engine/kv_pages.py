@@ -67,6 +67,7 @@ class LayerPages:
 
     def __init__(self, kv: PagedKV, layer: int, table: torch.Tensor, positions: torch.Tensor):
         self.kv, self.layer, self.table, self.positions = kv, layer, table, positions
+        self.keys_seen = table.shape[1] * kv.page_size  # every key position of a row's table
 
     def update(self, key_states, value_states, *args, **kwargs):
         keys, values = self.kv.keys[self.layer], self.kv.values[self.layer]

@@ -30,25 +30,32 @@ def attention_mask(target, positions: torch.Tensor, keys: int, dtype: torch.dtyp
     return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
 
 
-def paged_forward(target, kv: PagedKV, tokens: torch.Tensor, positions: torch.Tensor, table: torch.Tensor):
-    """tokens, positions [rows, n]; table [rows, max_pages]. Writes the tokens' keys and values into
-    their pages and returns the greedy next token after each row's last one [rows]."""
+def paged_forward(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor):
+    """tokens, positions [rows, n]; pages: each layer's view over the rows' tables (at these
+    positions). Writes the tokens' keys and values into their pages and returns the greedy next
+    token after each row's last one [rows]."""
     base = getattr(target, target.base_model_prefix)
     hidden = base.embed_tokens(tokens)
     rotary = base.rotary_emb(hidden, positions)
-    mask = attention_mask(target, positions, kv.max_pages * kv.page_size, hidden.dtype)
+    mask = attention_mask(target, positions, pages[0].keys_seen, hidden.dtype)
     cache_name = cache_keyword(target)
-    for index, layer in enumerate(base.layers):
-        pages = LayerPages(kv, index, table, positions)
+    for layer, layer_pages in zip(base.layers, pages, strict=True):
         hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary,
-                       **{cache_name: pages})  # fmt: skip
+                       **{cache_name: layer_pages})  # fmt: skip
     hidden = base.norm(hidden[:, -1:])
     return target.lm_head(hidden)[:, -1].argmax(-1)
 
 
-def decode_step(target, kv: PagedKV, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def layer_pages(kv: PagedKV, table: torch.Tensor, positions: torch.Tensor) -> list[LayerPages]:
+    """Every layer's view of the pages for rows of this table, at these positions. Made outside the
+    compiled step (the decode step's once, over its buffers): Dynamo would guard on their class
+    being made inside, a guard torch's precompile cannot keep."""
+    return [LayerPages(kv, layer, table, positions) for layer in range(len(kv.keys))]
+
+
+def decode_step(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor):
     """One token of every slot, over the decode table (idle slots write to the scratch page)."""
-    return paged_forward(target, kv, tokens, positions, kv.decode_table)
+    return paged_forward(target, pages, tokens, positions)
 
 
 class DecodeStep:
@@ -63,6 +70,7 @@ class DecodeStep:
         self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.following = torch.zeros(slots, dtype=torch.long, device=device)
+        self.pages = layer_pages(kv, kv.decode_table, self.positions)
         self.ran = False
         self.graph = None
 
@@ -73,7 +81,7 @@ class DecodeStep:
         self.kv.decode_table.copy_(torch.tensor(table, dtype=torch.long).to(device, non_blocking=True))
 
     def run(self) -> None:
-        self.following.copy_(self.step(self.target, self.kv, self.tokens, self.positions))
+        self.following.copy_(self.step(self.target, self.pages, self.tokens, self.positions))
 
     def next(self) -> torch.Tensor:
         """The next token of every slot [slots], in the step's own buffer."""
