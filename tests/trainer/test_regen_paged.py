@@ -11,7 +11,7 @@ import pathlib
 import pytest
 import torch
 
-from trainer.data.chat import ChatFormat, iter_conversations
+from trainer.data.chat import ChatFormat, DataError, iter_conversations
 from trainer.data.engine import PagedEngine, PagedSettings
 from trainer.data.engine import step as paged_step
 from trainer.data.engine.scheduler import Scheduler, Sequence
@@ -261,3 +261,38 @@ def test_a_stopped_paged_stage_keeps_its_shards_and_the_next_start_finishes_them
     again = stage(tmp_path, chat_data, tiny, "paged")
     assert run_workers(again, [tiny[0]], Progress(10), lambda: False, lambda: None, 60.0)
     assert shard_bytes(again) == static_shards
+
+
+def test_a_pool_too_small_for_a_shard_s_longest_conversation_is_one_clear_error_before_decoding(
+    tmp_path, chat_data, tiny
+):
+    chat = tiny[1]
+    settings = RegenSettings(max_new_tokens=12, engine="paged", shard_size=4, slots=3, page_size=4,
+                             batch_tokens=48, prefill_chunk=16)  # fmt: skip
+    regen = Regeneration(DataIndex.build(chat_data), settings, tmp_path, "key", chat, chat.end_id, None)
+    regen.prepare()
+    kept = r"the pool holds 11 .*raise data\.regen_batch_tokens.*finished so far are kept"
+    with pytest.raises(DataError, match=kept):
+        run_workers(regen, [tiny[0]], Progress(10), lambda: False, lambda: None, 60.0)
+    assert not list(regen.directory.glob("shard-*"))
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"regen_engine": "pagd"}, "data.regen_engine must be 'static', 'continuous' or 'paged', got 'pagd'"),
+        ({"regen_engine": "paged", "regen_page_size": 0}, "data.regen_page_size must be at least 1, got 0"),
+        ({"regen_engine": "paged", "regen_slots": 0}, "data.regen_slots must be at least 1, got 0"),
+        ({"regen_engine": "paged", "regen_prefill_chunk": -1}, "data.regen_prefill_chunk must be at least 1"),
+        (
+            {"regen_engine": "paged", "regen_batch_tokens": 64, "regen_max_new_tokens": 64},
+            "data.regen_batch_tokens=64 makes 4 KV pages of 16 tokens (one kept as scratch), too few for one "
+            "answer of 64 tokens; raise data.regen_batch_tokens",
+        ),
+    ],
+)
+def test_bad_paged_settings_in_the_config_are_named(changes, problem):
+    from trainer.config import DataConfig
+
+    assert problem in " | ".join(DataConfig(**changes).problems())
+    assert DataConfig(regen_engine="paged").problems() == []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 
-from ..chat import prompt_ids
+from ..chat import DataError, prompt_ids
 from .engine import PagedEngine, PagedSettings
 from .kv_pages import pages_for
 
@@ -82,7 +82,11 @@ def paged_shard(regeneration, conversations, examples, target, progress, should_
         return next_turn(i, turn)
 
     longest = longest_sequence(examples, chat, settings.max_new_tokens, settings.max_prompt_tokens)
-    engine = engine_for(target, paged_settings(settings, slot_tokens(longest, settings.page_size), compiled))
+    try:
+        engine_settings = paged_settings(settings, slot_tokens(longest, settings.page_size), compiled)
+    except ValueError as exc:
+        raise DataError(f"{exc} (the shards finished so far are kept)") from None
+    engine = engine_for(target, engine_settings)
     requests = [request for i in range(len(examples)) for request in next_turn(i, -1)]
     return engine.generate(requests, settings.max_new_tokens, chat.end_id, answered, should_stop) is not None
 
