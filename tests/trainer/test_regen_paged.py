@@ -271,7 +271,7 @@ def test_a_pool_too_small_for_a_shard_s_longest_conversation_is_one_clear_error_
                              batch_tokens=48, prefill_chunk=16)  # fmt: skip
     regen = Regeneration(DataIndex.build(chat_data), settings, tmp_path, "key", chat, chat.end_id, None)
     regen.prepare()
-    kept = r"the pool holds 11 .*raise data\.regen_batch_tokens.*finished so far are kept"
+    kept = r"68 tokens takes 17 pages of 4 tokens, and the pool holds 11 .*regen_batch_tokens.*are kept"
     with pytest.raises(DataError, match=kept):
         run_workers(regen, [tiny[0]], Progress(10), lambda: False, lambda: None, 60.0)
     assert not list(regen.directory.glob("shard-*"))
@@ -296,3 +296,11 @@ def test_bad_paged_settings_in_the_config_are_named(changes, problem):
 
     assert problem in " | ".join(DataConfig(**changes).problems())
     assert DataConfig(regen_engine="paged").problems() == []
+
+
+def test_a_slot_holds_a_power_of_two_pages_within_the_pool():
+    from trainer.data.engine.conversations import slot_tokens
+
+    assert slot_tokens(70, 4, pool_pages=64) == 32 * 4  # 18 pages needed: 32, a shape shared by more
+    assert slot_tokens(70, 4, pool_pages=26) == 25 * 4  # 32 do not fit: what the pool holds
+    assert slot_tokens(70, 4, pool_pages=12) == 18 * 4  # not even 18: the engine refuses it, naming both

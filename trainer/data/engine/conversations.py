@@ -45,13 +45,14 @@ def longest_sequence(examples, chat, max_new_tokens: int, max_prompt_tokens: int
     return longest
 
 
-def slot_tokens(longest: int, page_size: int) -> int:
+def slot_tokens(longest: int, page_size: int, pool_pages: int) -> int:
     """A slot's tokens: whole pages, a power of two of them, so a data set's shards share a few
-    decode-step shapes (each compiles once)."""
-    pages = 1
-    while pages < pages_for(longest, page_size):
+    decode-step shapes (each compiles once); at most the pool's pages (less scratch) where those
+    hold the longest sequence."""
+    needed, pages = pages_for(longest, page_size), 1
+    while pages < needed:
         pages *= 2
-    return pages * page_size
+    return max(needed, min(pages, pool_pages - 1)) * page_size
 
 
 def paged_shard(regeneration, conversations, examples, target, progress, should_stop, compiled: bool) -> bool:
@@ -83,7 +84,9 @@ def paged_shard(regeneration, conversations, examples, target, progress, should_
 
     longest = longest_sequence(examples, chat, settings.max_new_tokens, settings.max_prompt_tokens)
     try:
-        engine_settings = paged_settings(settings, slot_tokens(longest, settings.page_size), compiled)
+        pool_pages = settings.batch_tokens // settings.page_size
+        max_tokens = slot_tokens(longest, settings.page_size, pool_pages)
+        engine_settings = paged_settings(settings, max_tokens, compiled)
     except ValueError as exc:
         raise DataError(f"{exc} (the shards finished so far are kept)") from None
     engine = engine_for(target, engine_settings)
