@@ -136,40 +136,53 @@ def decode_once(scheduler: Scheduler) -> None:
         sequence.answer.append(7)
 
 
-def prefill_all(scheduler: Scheduler) -> None:
-    while (chunk := scheduler.next_chunk()) is not None:
-        chunk.sequence.computed += len(chunk.tokens)
-        if chunk.last:
-            chunk.sequence.decoding = True
-            chunk.sequence.answer.append(7)
+def prefill_all(scheduler: Scheduler) -> list[list[tuple[str, int, int]]]:
+    """Every prefill chunk (the engine's part without a model): [(key, start, tokens)] of each."""
+    chunks = []
+    while parts := scheduler.next_chunk():
+        chunks.append([(part.sequence.key, part.start, len(part.tokens)) for part in parts])
+        for part in parts:
+            part.sequence.computed += len(part.tokens)
+            if part.last:
+                part.sequence.decoding = True
+                part.sequence.answer.append(7)
+    return chunks
 
 
 def test_a_slot_that_ends_is_refilled_at_the_next_iteration_without_waiting_for_the_others():
     scheduler = Scheduler(slots=2, pages=32, page_size=4, max_pages=8, chunk=4)
     for key in "abc":
         scheduler.add(Sequence(key, [1, 2, 3]))
-    for _ in range(2):
-        scheduler.admit()
-        prefill_all(scheduler)
+    scheduler.admit()
+    assert prefill_all(scheduler) == [[("a", 0, 3), ("b", 0, 1)], [("b", 1, 2)]]
     a, b = scheduler.slots
     assert (a.key, b.key) == ("a", "b") and [s.key for s in scheduler.waiting] == ["c"]
     decode_once(scheduler)
     scheduler.release(a)  # "a" ended; "b" goes on decoding
     scheduler.admit()
     assert scheduler.slots[0].key == "c" and scheduler.slots[1] is b
-    assert scheduler.next_chunk().tokens == [1, 2, 3]
+    assert prefill_all(scheduler) == [[("c", 0, 3)]]
 
 
-def test_a_long_prompt_is_prefilled_a_chunk_an_iteration():
-    scheduler = Scheduler(slots=2, pages=32, page_size=4, max_pages=8, chunk=4)
+def test_a_long_prompt_is_prefilled_a_chunk_an_iteration_and_short_ones_share_a_chunk():
+    scheduler = Scheduler(slots=4, pages=32, page_size=4, max_pages=8, chunk=4)
     scheduler.add(Sequence("long", list(range(10))))
-    scheduler.admit()
+    for key in "ab":
+        scheduler.add(Sequence(key, [1, 2]))
     chunks = []
-    while (chunk := scheduler.next_chunk()) is not None:
-        chunks.append((chunk.start, len(chunk.tokens), chunk.last))
-        chunk.sequence.computed += len(chunk.tokens)
-        chunk.sequence.decoding = chunk.last
-    assert chunks == [(0, 4, False), (4, 4, False), (8, 2, True)]
+    for _ in range(4):
+        scheduler.admit()  # a prompt is admitted once the chunks ahead leave it room
+        chunks += prefill_all_one(scheduler)
+    assert chunks == [[("long", 0, 4)], [("long", 4, 4)], [("long", 8, 2), ("a", 0, 2)], [("b", 0, 2)]]
+
+
+def prefill_all_one(scheduler: Scheduler) -> list:
+    """One iteration's chunk only."""
+    parts = scheduler.next_chunk()
+    for part in parts:
+        part.sequence.computed += len(part.tokens)
+        part.sequence.decoding = part.last
+    return [[(part.sequence.key, part.start, len(part.tokens)) for part in parts]] if parts else []
 
 
 def test_a_dry_pool_preempts_the_newest_sequence_back_to_the_front_of_the_queue():
@@ -178,9 +191,8 @@ def test_a_dry_pool_preempts_the_newest_sequence_back_to_the_front_of_the_queue(
     scheduler.add(Sequence("old", [1, 2, 3]))
     scheduler.add(Sequence("new", [1, 2, 3]))
     scheduler.add(Sequence("later", [1] * 7))
-    for _ in range(2):
-        scheduler.admit()
-        prefill_all(scheduler)
+    scheduler.admit()
+    prefill_all(scheduler)
     scheduler.admit()  # "later" needs 4 pages + a reserve of 2: it waits
     assert [s.key for s in scheduler.waiting] == ["later"] and scheduler.allocator.free == 2
     for _ in range(5):  # each sequence grows a page every 2 tokens

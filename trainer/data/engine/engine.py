@@ -15,7 +15,7 @@ import torch
 
 from .kv_pages import PagedKV, pages_for
 from .scheduler import Scheduler, Sequence
-from .step import DecodeStep, decode_step, layer_pages, paged_forward
+from .step import DecodeStep, decode_step, greedy, layer_pages, packed_visible, paged_forward
 
 Request = tuple[object, list[int]]
 
@@ -117,13 +117,15 @@ class PagedEngine:
         decoding = scheduler.decoding()
         if not decoding:
             return []
-        tokens, positions = [0] * self.settings.slots, [0] * self.settings.slots
-        table = [self.kv.table_row([])] * self.settings.slots
+        slots, page_size = self.settings.slots, self.settings.page_size
+        tokens, positions, where = [0] * slots, [0] * slots, [0] * slots  # idle: the scratch page
+        table = [self.kv.table_row([])] * slots
         for sequence in decoding:
-            tokens[sequence.slot] = sequence.answer[-1]
-            positions[sequence.slot] = sequence.computed
+            position = sequence.computed
+            tokens[sequence.slot], positions[sequence.slot] = sequence.answer[-1], position
+            where[sequence.slot] = sequence.pages[position // page_size] * page_size + position % page_size
             table[sequence.slot] = self.kv.table_row(sequence.pages)
-        self.steps.load(tokens, positions, table)
+        self.steps.load(tokens, positions, where, table)
         following = self.steps.next().tolist()
         self.decode_steps += 1
         for sequence in decoding:
@@ -132,19 +134,37 @@ class PagedEngine:
         return [q for q in decoding if q.answer[-1] == end_id or len(q.answer) == max_new_tokens]
 
     def prefill(self, scheduler: Scheduler, end_id: int, max_new_tokens: int) -> list[Sequence]:
-        chunk = scheduler.next_chunk()
-        if chunk is None:
+        """One prefill chunk: the chunks of every sequence in it packed in one row, each reading its
+        own table; a sequence whose prompt it ends gets its first answer token."""
+        chunks = scheduler.next_chunk()
+        if not chunks:
             return []
-        sequence, device = chunk.sequence, self.kv.decode_table.device
-        tokens = torch.tensor([chunk.tokens], device=device)
-        positions = torch.arange(chunk.start, chunk.start + len(chunk.tokens), device=device)[None]
-        table = torch.tensor([self.kv.table_row(sequence.pages)], device=device)
-        following = paged_forward(self.target, layer_pages(self.kv, table, positions), tokens, positions)
+        page_size, device = self.settings.page_size, self.kv.decode_table.device
+        tokens, positions, owners, where, table, ends = [], [], [], [], [], []
+        for owner, chunk in enumerate(chunks):
+            pages = chunk.sequence.pages
+            span = range(chunk.start, chunk.start + len(chunk.tokens))
+            tokens += chunk.tokens
+            positions += span
+            owners += [owner] * len(span)
+            where += [pages[p // page_size] * page_size + p % page_size for p in span]
+            table += self.kv.table_row(pages)
+            ends.append(len(tokens) - 1)
+        as_row = lambda values: torch.tensor([values], dtype=torch.long, device=device)  # noqa: E731
+        positions_row, table_row = as_row(positions), as_row(table)
+        seen = packed_visible(positions_row, as_row(owners), self.kv.max_pages * page_size, len(chunks))
+        pages = layer_pages(self.kv, table_row, as_row(where))
+        hidden = paged_forward(self.target, pages, as_row(tokens), positions_row, seen)
+        following = greedy(self.target, hidden[0, ends]).tolist()
         self.prefill_chunks += 1
-        sequence.computed += len(chunk.tokens)
-        if not chunk.last:
-            return []
-        sequence.decoding = True
-        sequence.answer.append(int(following[0]))
-        done = sequence.answer[-1] == end_id or len(sequence.answer) == max_new_tokens
-        return [sequence] if done else []
+        done = []
+        for chunk, token in zip(chunks, following, strict=True):
+            sequence = chunk.sequence
+            sequence.computed += len(chunk.tokens)
+            if not chunk.last:
+                continue
+            sequence.decoding = True
+            sequence.answer.append(token)
+            if token == end_id or len(sequence.answer) == max_new_tokens:
+                done.append(sequence)
+        return done

@@ -62,19 +62,17 @@ class PagedKV:
 
 class LayerPages:
     """One layer's view of the paged cache, as a decoder layer calls it (`update`): writes this
-    forward's keys and values at their positions' pages, then returns each row's whole table of
-    pages in position order [rows, kv heads, max_pages x page size, head dim]."""
+    forward's keys and values at `where` [rows, tokens] (page x page size + place in the page),
+    then returns each row's table of pages in order [rows, kv heads, table width x page size, head
+    dim]: a slot's own pages (decode), or the packed sequences' tables one after another (prefill)."""
 
-    def __init__(self, kv: PagedKV, layer: int, table: torch.Tensor, positions: torch.Tensor):
-        self.kv, self.layer, self.table, self.positions = kv, layer, table, positions
+    def __init__(self, kv: PagedKV, layer: int, table: torch.Tensor, where: torch.Tensor):
+        self.kv, self.layer, self.table, self.where = kv, layer, table, where
         self.keys_seen = table.shape[1] * kv.page_size  # every key position of a row's table
 
     def update(self, key_states, value_states, *args, **kwargs):
         keys, values = self.kv.keys[self.layer], self.kv.values[self.layer]
-        page_size = self.kv.page_size
-        # positions [rows, tokens] -> the page and the place in it of every new token
-        pages = self.table.gather(1, self.positions // page_size)
-        offsets = self.positions % page_size
+        pages, offsets = self.where // self.kv.page_size, self.where % self.kv.page_size
         # key_states [rows, heads, tokens, dim]; pool[page, :, offset] takes [rows, tokens, heads, dim]
         keys[pages, :, offsets] = key_states.transpose(1, 2).to(keys.dtype)
         values[pages, :, offsets] = value_states.transpose(1, 2).to(values.dtype)

@@ -1,10 +1,12 @@
 """Which sequence decodes in which slot, and which KV pages it holds: plain Python, no tensors.
 
 Each engine iteration is one decode step for every slot whose sequence is decoding, plus at most
-one prefill chunk of at most `chunk` tokens for the one slot being prefilled (so a long prompt
-does not stall the decoding rows). A slot whose sequence ends (end token or cap) is free at once;
-the next waiting sequence is admitted into it when its prompt's pages are free, plus a reserve of
-one page for each decoding sequence (each may need a new page soon). When a decoding sequence
+one prefill chunk of at most `chunk` prompt tokens, of one or more sequences being prefilled (so a
+long prompt does not stall the decoding rows, and short ones fill free slots together). A slot
+whose sequence ends (end token or cap) is free at once; waiting sequences are admitted into free
+slots while their prompts' pages are free, plus a reserve of one page for each decoding sequence
+(each may need a new page soon), and while the prompts admitted and not yet prefilled hold fewer
+than `chunk` tokens. When a decoding sequence
 needs a page and none is free, the newest sequence is preempted: its pages are freed and it goes
 back to the front of the waiting queue, to be prefilled again (prompt and answer so far) later."""
 
@@ -67,33 +69,38 @@ class Scheduler:
     def decoding(self) -> list[Sequence]:
         return [s for s in self.slots if s is not None and s.decoding]
 
-    def prefilling(self) -> Sequence | None:
-        return next((s for s in self.slots if s is not None and not s.decoding), None)
+    def prefilling(self) -> list[Sequence]:
+        """The sequences admitted and not yet prefilled, oldest first."""
+        return sorted((s for s in self.slots if s is not None and not s.decoding), key=lambda s: s.admitted)
 
     def admit(self) -> None:
-        """The next waiting sequence into a free slot, if none is being prefilled and its pages are
-        free with the decoding sequences' reserve."""
-        if not self.waiting or self.prefilling() is not None or None not in self.slots:
-            return
-        sequence = self.waiting[0]
-        needed = pages_for(len(sequence.tokens), self.page_size)
-        if needed + len(self.decoding()) > self.allocator.free and self.decoding():
-            return  # wait for pages: a decoding sequence will end and give its pages back
-        if needed > self.allocator.free:
-            raise RuntimeError(f"{needed} KV pages needed, the pool holds {self.allocator.free}")
-        self.waiting.popleft()
-        sequence.pages = self.allocator.take(needed)
-        sequence.slot = self.slots.index(None)
-        sequence.computed, sequence.decoding = 0, False
-        sequence.admitted = next(self.order)
-        self.slots[sequence.slot] = sequence
+        """Waiting sequences into free slots, first come first served, while their pages are free
+        with the decoding sequences' reserve and the next chunk has room for their prompts."""
+        while self.waiting and None in self.slots:
+            if sum(len(s.tokens) - s.computed for s in self.prefilling()) >= self.chunk:
+                return
+            sequence = self.waiting[0]
+            needed = pages_for(len(sequence.tokens), self.page_size)
+            reserve = len(self.decoding())
+            if needed + reserve > self.allocator.free and (reserve or self.prefilling()):
+                return  # wait for pages: a running sequence will end and give its pages back
+            self.waiting.popleft()
+            sequence.pages = self.allocator.take(needed)
+            sequence.slot = self.slots.index(None)
+            sequence.computed, sequence.decoding = 0, False
+            sequence.admitted = next(self.order)
+            self.slots[sequence.slot] = sequence
 
-    def next_chunk(self) -> PrefillChunk | None:
-        sequence = self.prefilling()
-        if sequence is None:
-            return None
-        tokens = sequence.tokens[sequence.computed : sequence.computed + self.chunk]
-        return PrefillChunk(sequence, sequence.computed, tokens)
+    def next_chunk(self) -> list[PrefillChunk]:
+        """The next prefill chunk: the oldest prefilling sequences' next tokens, `chunk` in all."""
+        chunks, room = [], self.chunk
+        for sequence in self.prefilling():
+            if room == 0:
+                break
+            tokens = sequence.tokens[sequence.computed : sequence.computed + room]
+            chunks.append(PrefillChunk(sequence, sequence.computed, tokens))
+            room -= len(tokens)
+        return chunks
 
     def grow(self) -> list[Sequence]:
         """A page for every decoding sequence whose next token starts a new one, preempting the newest
