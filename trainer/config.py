@@ -281,6 +281,7 @@ REGEN_ATTENTIONS = ("auto", "sdpa", "flex_attention", "eager")
 SPEED_ONLY_DATA_KEYS = frozenset({
     "cache_dir", "regen_batch_size", "regen_batch_tokens", "regen_min_width", "regen_compile",
     "regen_compile_scope", "regen_compile_dynamic", "regen_attention", "regen_progress_every_s",
+    "regen_slots", "regen_page_size", "regen_prefill_chunk",
 })  # fmt: skip
 
 

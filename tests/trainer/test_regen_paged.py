@@ -316,3 +316,12 @@ def test_a_slot_holds_a_power_of_two_pages_within_the_pool():
     assert slot_tokens(70, 4, pool_pages=64) == 32 * 4  # 18 pages needed: 32, a shape shared by more
     assert slot_tokens(70, 4, pool_pages=26) == 25 * 4  # 32 do not fit: what the pool holds
     assert slot_tokens(70, 4, pool_pages=12) == 18 * 4  # not even 18: the engine refuses it, naming both
+
+
+def test_the_paged_settings_change_only_the_speed_so_a_resume_may_change_them():
+    from trainer.config import SPEED_ONLY_DATA_KEYS
+
+    some = RegenSettings(engine="paged", slots=2, page_size=4, prefill_chunk=8)
+    other = RegenSettings(engine="paged", slots=64, page_size=32, prefill_chunk=1024)
+    assert some.key_fields() == other.key_fields() != RegenSettings(engine="static").key_fields()
+    assert {"regen_slots", "regen_page_size", "regen_prefill_chunk"} <= SPEED_ONLY_DATA_KEYS
