@@ -316,8 +316,9 @@ class DataConfig:
     faster than continuous on an H200 (docs/PERFORMANCE.md); all give the same answers in float32."""
     regen_slots: int = 256
     """Paged engine: sequences decoded at once (the decode step's rows, one compiled shape)."""
-    regen_page_size: int = 16
-    """Paged engine: tokens a KV page holds. The pool is regen_batch_tokens tokens of pages."""
+    regen_page_size: int = 64
+    """Paged engine: tokens a KV page holds. The pool is regen_batch_tokens tokens of pages. On CUDA
+    flex attention reads a page as one key block: pages of 64 keep its kernel's tiles full."""
     regen_prefill_chunk: int = 512
     """Paged engine: the most prompt tokens prefilled between two decode steps, so a long prompt
     does not stall the decoding rows."""
@@ -347,7 +348,9 @@ class DataConfig:
     """Static engine: the attention the target decodes with ('auto', 'sdpa', 'flex_attention',
     'eager'). 'auto' is flex attention when compiled on CUDA (it reads the grouped-query KV cache
     once a step; transformers' sdpa path copies it four times when a batch is padded: 2.1x the
-    tokens/s on an H200, docs/PERFORMANCE.md), the target's own (sdpa) otherwise."""
+    tokens/s on an H200, docs/PERFORMANCE.md), the target's own (sdpa) otherwise. Paged engine:
+    'flex_attention' (and 'auto' when compiled on CUDA) reads each slot's pages in place in the
+    pool; 'sdpa' and 'eager' (and 'auto' otherwise) gather each slot's pages first."""
     regen_progress_every_s: float = 30.0
     """Seconds between progress lines (conversations and tokens done, tokens/s, ETA)."""
 

@@ -297,7 +297,12 @@ def test_a_pool_too_small_for_a_shard_s_longest_conversation_is_one_clear_error_
         ({"regen_engine": "paged", "regen_slots": 0}, "data.regen_slots must be at least 1, got 0"),
         ({"regen_engine": "paged", "regen_prefill_chunk": -1}, "data.regen_prefill_chunk must be at least 1"),
         (
-            {"regen_engine": "paged", "regen_batch_tokens": 64, "regen_max_new_tokens": 64},
+            {
+                "regen_engine": "paged",
+                "regen_batch_tokens": 64,
+                "regen_page_size": 16,
+                "regen_max_new_tokens": 64,
+            },
             "data.regen_batch_tokens=64 makes 4 KV pages of 16 tokens (one kept as scratch), too few for one "
             "answer of 64 tokens; raise data.regen_batch_tokens",
         ),

@@ -686,14 +686,12 @@ class Regeneration:
         ]
 
     def regenerate_paged(self, conversations, examples, target, progress, should_stop) -> bool:
-        """Every turn of the shard through the paged engine (trainer/data/engine/conversations.py),
-        on the target's sdpa or eager attention (the engine's masks are theirs)."""
+        """Every turn of the shard through the paged engine (trainer/data/engine/conversations.py)."""
         from .engine.conversations import paged_shard
 
         device = next(target.parameters()).device
         compiled = self.settings.compile and device.type == "cuda"
-        own = target.config._attn_implementation
-        with attention_of(target, None if own in ("sdpa", "eager") else "sdpa"), torch.no_grad():
+        with torch.no_grad():
             try:
                 return paged_shard(self, conversations, examples, target, progress, should_stop, compiled)
             except torch.OutOfMemoryError as exc:

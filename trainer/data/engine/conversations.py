@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import weakref
 
+from ...model.target import attention_of
 from ..chat import DataError, prompt_ids
 from .engine import PagedEngine, PagedSettings
 from .kv_pages import pages_for
@@ -91,7 +92,26 @@ def paged_shard(regeneration, conversations, examples, target, progress, should_
         raise DataError(f"{exc} (the shards finished so far are kept)") from None
     engine = engine_for(target, engine_settings)
     requests = [request for i in range(len(examples)) for request in next_turn(i, -1)]
-    return engine.generate(requests, settings.max_new_tokens, chat.end_id, answered, should_stop) is not None
+    with attention_of(target, gathered_attention(target, settings)):
+        answers = engine.generate(requests, settings.max_new_tokens, chat.end_id, answered, should_stop)
+    return answers is not None
+
+
+def engine_attention(settings, compiled: bool) -> str:
+    """How the decode step reads the pages (data.regen_attention): 'auto' is flex attention over the
+    pool in place when compiled on CUDA, the gathered pages with sdpa otherwise; 'flex_attention'
+    always the pool in place; 'sdpa' and 'eager' the gathered pages with that attention."""
+    if settings.attention == "flex_attention" or (settings.attention == "auto" and compiled):
+        return "flex"
+    return "gather"
+
+
+def gathered_attention(target, settings) -> str | None:
+    """The target's attention over gathered pages (prefills, and gathered decode steps): the one set
+    (sdpa or eager), else sdpa where the target's own is neither (the masks here are theirs)."""
+    if settings.attention in ("sdpa", "eager"):
+        return settings.attention
+    return None if target.config._attn_implementation in ("sdpa", "eager") else "sdpa"
 
 
 def paged_settings(settings, max_tokens: int, compiled: bool) -> PagedSettings:
@@ -99,4 +119,5 @@ def paged_settings(settings, max_tokens: int, compiled: bool) -> PagedSettings:
     return PagedSettings(
         slots=settings.slots, page_size=settings.page_size, pages=settings.batch_tokens // settings.page_size,
         max_tokens=max_tokens, chunk=settings.prefill_chunk, compile=compiled,
+        attention=engine_attention(settings, compiled),
     )  # fmt: skip

@@ -13,9 +13,23 @@ from dataclasses import dataclass
 
 import torch
 
+from ...model.target import attention_of
 from .kv_pages import PagedKV, pages_for
 from .scheduler import Scheduler, Sequence
-from .step import DecodeStep, decode_step, greedy, layer_pages, packed_visible, paged_forward
+from .step import (
+    PAGED_ATTENTION,
+    DecodeStep,
+    decode_step,
+    flex_decode_step,
+    greedy,
+    layer_pages,
+    packed_visible,
+    paged_forward,
+    register_paged_attention,
+)
+
+DECODE_STEPS = {"gather": decode_step, "flex": flex_decode_step}
+ATTENTIONS = tuple(DECODE_STEPS)
 
 Request = tuple[object, list[int]]
 
@@ -26,7 +40,9 @@ class PagedSettings:
     pages: the pool's pages (one of them scratch). max_tokens: the longest sequence (prompt +
     answer) a slot holds; the decode step reads max_tokens rounded up to pages per slot. chunk: the
     most prompt tokens prefilled in one iteration. compile: the decode step compiled (and, on a
-    GPU, replayed as a CUDA graph)."""
+    GPU, replayed as a CUDA graph). attention: how the decode step reads the pages, "gather" (each
+    slot's whole table copied in order, read by the target's own sdpa or eager attention) or
+    "flex" (flex attention over the pool in place: only the pages in use, no copy)."""
 
     slots: int
     page_size: int
@@ -34,8 +50,13 @@ class PagedSettings:
     max_tokens: int
     chunk: int
     compile: bool = False
+    attention: str = "gather"
 
     def __post_init__(self):
+        if self.attention not in ATTENTIONS:
+            raise ValueError(
+                f"paged engine: attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
+            )
         for name in ("slots", "page_size", "max_tokens", "chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"paged engine: {name} must be at least 1, got {getattr(self, name)}")
@@ -54,15 +75,15 @@ class PagedSettings:
 _COMPILED_STEPS: dict = {}
 
 
-def compiled_decode_step():
+def compiled_decode_step(attention: str):
     """decode_step compiled once a process (a new wrapper would trace again), at static shapes,
     without torch's CUDA graphs (DecodeStep records its own). Inductor's output is kept in the
     compile cache as every compile's is; Dynamo's trace is not (torch's precompile, which the static
     engine uses, refuses this step's guards with transformers 5.24: decoder layers look up
     `type(self).forward`, a class guard it cannot keep), so each process traces it again."""
-    if "step" not in _COMPILED_STEPS:
-        _COMPILED_STEPS["step"] = torch.compile(decode_step, dynamic=False)
-    return _COMPILED_STEPS["step"]
+    if attention not in _COMPILED_STEPS:
+        _COMPILED_STEPS[attention] = torch.compile(DECODE_STEPS[attention], dynamic=False)
+    return _COMPILED_STEPS[attention]
 
 
 class PagedEngine:
@@ -72,8 +93,11 @@ class PagedEngine:
         self.kv = PagedKV(target.config, settings.pages, settings.page_size, settings.slots,
                           settings.max_pages, parameter.device, parameter.dtype)  # fmt: skip
         graphed = settings.compile and parameter.device.type == "cuda"
-        step = compiled_decode_step() if settings.compile else decode_step
-        self.steps = DecodeStep(step, target, self.kv, settings.slots, graphed)
+        step = (
+            compiled_decode_step(settings.attention) if settings.compile else DECODE_STEPS[settings.attention]
+        )
+        flex = settings.attention == "flex"
+        self.steps = DecodeStep(step, target, self.kv, settings.slots, graphed, whole_pool=flex)
         self.iterations = self.decode_steps = self.prefill_chunks = self.preemptions = 0
 
     @torch.no_grad()
@@ -82,6 +106,13 @@ class PagedEngine:
                  should_stop: Callable[[], bool] = lambda: False) -> dict | None:  # fmt: skip
         """{key: answer without its end token} for every request and follow-up; None if a stop came
         (between iterations)."""
+        if self.settings.attention == "flex":
+            register_paged_attention()
+            with attention_of(self.target, PAGED_ATTENTION):
+                return self.run(requests, max_new_tokens, end_id, follow_up, should_stop)
+        return self.run(requests, max_new_tokens, end_id, follow_up, should_stop)
+
+    def run(self, requests, max_new_tokens: int, end_id: int, follow_up, should_stop) -> dict | None:
         s = self.settings
         scheduler = Scheduler(s.slots, s.pages, s.page_size, s.max_pages, s.chunk)
         for key, prompt in requests:

@@ -41,17 +41,18 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 class PagedKV:
-    """The device side: for each layer a key pool and a value pool [pages, kv heads, page size, head
-    dim], and the block tables the steps read: one row per slot of page ids, max_pages wide."""
+    """The device side: for each layer a key pool and a value pool [kv heads, pages, page size, head
+    dim] (so that the whole pool is one sequence of keys for flex attention, without a copy), and
+    the block tables the steps read: one row per slot of page ids, max_pages wide."""
 
     def __init__(self, config, pages: int, page_size: int, slots: int, max_pages: int, device, dtype):
         heads = config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (pages, heads, page_size, head_dim)
+        shape = (heads, pages, page_size, head_dim)
         layers = config.num_hidden_layers
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
-        self.page_size, self.max_pages = page_size, max_pages
+        self.pages, self.page_size, self.max_pages = pages, page_size, max_pages
         # The decode step's table, one row per slot, loaded in place before each step (a CUDA graph
         # reads it at a fixed address); a prefill chunk's one row is a tensor of its own.
         self.decode_table = torch.zeros(slots, max_pages, dtype=torch.long, device=device)
@@ -63,24 +64,34 @@ class PagedKV:
 class LayerPages:
     """One layer's view of the paged cache, as a decoder layer calls it (`update`): writes this
     forward's keys and values at `where` [rows, tokens] (page x page size + place in the page),
-    then returns each row's table of pages in order [rows, kv heads, table width x page size, head
-    dim]: a slot's own pages (decode), or the packed sequences' tables one after another (prefill)."""
+    then returns what the attention reads: each row's table of pages in order [rows, kv heads,
+    table width x page size, head dim] (a slot's own pages, or a packed prefill's tables one after
+    another), or, `whole_pool`, the whole pool as one row of keys [1, kv heads, pages x page size,
+    head dim], for flex attention to read each slot's pages in place (step.PagedMasks)."""
 
-    def __init__(self, kv: PagedKV, layer: int, table: torch.Tensor, where: torch.Tensor):
+    def __init__(self, kv: PagedKV, layer: int, table: torch.Tensor, where: torch.Tensor, whole_pool=False):
         self.kv, self.layer, self.table, self.where = kv, layer, table, where
+        self.whole_pool = whole_pool
         self.keys_seen = table.shape[1] * kv.page_size  # every key position of a row's table
 
     def update(self, key_states, value_states, *args, **kwargs):
         keys, values = self.kv.keys[self.layer], self.kv.values[self.layer]
         pages, offsets = self.where // self.kv.page_size, self.where % self.kv.page_size
-        # key_states [rows, heads, tokens, dim]; pool[page, :, offset] takes [rows, tokens, heads, dim]
-        keys[pages, :, offsets] = key_states.transpose(1, 2).to(keys.dtype)
-        values[pages, :, offsets] = value_states.transpose(1, 2).to(values.dtype)
+        # key_states [rows, heads, tokens, dim]; pool[:, page, offset] takes [heads, rows, tokens, dim]
+        keys[:, pages, offsets] = key_states.transpose(0, 1).to(keys.dtype)
+        values[:, pages, offsets] = value_states.transpose(0, 1).to(values.dtype)
+        if self.whole_pool:
+            return whole(keys), whole(values)
         return gathered(keys, self.table), gathered(values, self.table)
+
+
+def whole(pool: torch.Tensor) -> torch.Tensor:
+    heads, pages, page_size, dim = pool.shape
+    return pool.view(1, heads, pages * page_size, dim)
 
 
 def gathered(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """[rows, heads, max_pages x page size, dim]: each row's pages, in its table's order."""
     rows, max_pages = table.shape
-    _, heads, page_size, dim = pool.shape
-    return pool[table].permute(0, 2, 1, 3, 4).reshape(rows, heads, max_pages * page_size, dim)
+    heads, _, page_size, dim = pool.shape
+    return pool[:, table].transpose(0, 1).reshape(rows, heads, max_pages * page_size, dim)

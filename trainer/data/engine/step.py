@@ -10,10 +10,17 @@ GPU, replayed as a CUDA graph (DecodeStep)."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ..decode import cache_keyword
 from .kv_pages import LayerPages, PagedKV
+
+# The attention the decode step reads the pool through in place (flex attention): registered with
+# transformers under this name; any other mask (a prefill's) goes to transformers' own sdpa.
+FLEX_QUERY_BLOCK = 128
+PAGED_ATTENTION = "paged_pool"  # no "flash" in it: transformers takes such a name for a flash kernel
 
 
 def visible(positions: torch.Tensor, keys: int) -> torch.Tensor:
@@ -32,8 +39,9 @@ def packed_visible(positions: torch.Tensor, owners: torch.Tensor, keys_per_table
 
 
 def as_attention_mask(target, seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The mask in the form the target's attention takes: boolean (sdpa), or added to the scores."""
-    if target.config._attn_implementation == "sdpa":
+    """The mask in the form the target's attention takes: boolean (sdpa, and the paged attention's
+    sdpa), or added to the scores (eager); a block mask as it is."""
+    if target.config._attn_implementation in ("sdpa", PAGED_ATTENTION) or not isinstance(seen, torch.Tensor):
         return seen
     return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
 
@@ -58,17 +66,87 @@ def greedy(target, hidden: torch.Tensor) -> torch.Tensor:
     return target.lm_head(hidden).argmax(-1)
 
 
-def layer_pages(kv: PagedKV, table: torch.Tensor, where: torch.Tensor) -> list[LayerPages]:
+def layer_pages(kv: PagedKV, table: torch.Tensor, where: torch.Tensor, whole_pool=False) -> list[LayerPages]:
     """Every layer's view of the pages: rows read this table's pages, tokens are written at `where`.
     Made outside the compiled step (the decode step's once, over its buffers): Dynamo would guard
     on their class being made inside, a guard torch's precompile cannot keep."""
-    return [LayerPages(kv, layer, table, where) for layer in range(len(kv.keys))]
+    return [LayerPages(kv, layer, table, where, whole_pool) for layer in range(len(kv.keys))]
 
 
 def decode_step(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor):
-    """One token of every slot, over the decode table (idle slots write to the scratch page)."""
+    """One token of every slot, over the decode table (idle slots write to the scratch page): each
+    slot's pages gathered in order, read by the target's own attention."""
     seen = visible(positions, pages[0].keys_seen)
     return greedy(target, paged_forward(target, pages, tokens, positions, seen)[:, -1])
+
+
+def flex_decode_step(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor):
+    """decode_step with flex attention reading each slot's pages where they lie in the pool: a
+    step reads the pages in use, not every slot's whole table, and copies none."""
+    mask = pool_block_mask(pages[0].kv, pages[0].table, positions)
+    return greedy(target, paged_forward(target, pages, tokens, positions, mask)[:, -1])
+
+
+def pool_block_mask(kv: PagedKV, table: torch.Tensor, positions: torch.Tensor):
+    """The flex-attention block mask of a decode step over the whole pool: slot b visits the pages
+    of its table up to its position's, and sees in them the positions 0..p of its own sequence (a
+    page's owner and place in its table, taken from the tables). An idle slot sees nothing."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    slots, width = table.shape
+    page_size, device = kv.page_size, table.device
+    in_use = torch.arange(width, device=device) <= positions // page_size  # [slots, width]
+    page = torch.where(in_use, table, 0).flatten()
+    owner = torch.full((kv.pages,), -1, dtype=torch.long, device=device)
+    owner.scatter_(0, page, torch.where(in_use, torch.arange(slots, device=device)[:, None], -1).flatten())
+    place = torch.zeros(kv.pages, dtype=torch.long, device=device)
+    place.scatter_(0, page, torch.arange(width, device=device).expand(slots, width).flatten())
+    owner[0] = -1  # the scratch page: every idle slot's, and no sequence's
+    last = positions[:, 0]
+
+    def own_positions(b, h, q, key):
+        key_page = key // page_size
+        return (owner[key_page] == b) & (place[key_page] * page_size + key % page_size <= last[b])
+
+    visited = (last // page_size + 1).to(torch.int32).view(slots, 1, 1)
+    order = torch.zeros(slots, 1, 1, kv.pages, dtype=torch.int32, device=device)
+    order[:, 0, 0, :width] = table.to(torch.int32)
+    options = {"compute_q_blocks": False} if COMPUTE_Q_BLOCKS_OPTIONAL else {}
+    # Query blocks of flex attention's usual size (a decode step has one): its decoding kernel takes
+    # key blocks as small as a page, not query blocks smaller than its own tile.
+    return BlockMask.from_kv_blocks(visited, order, BLOCK_SIZE=(FLEX_QUERY_BLOCK, page_size),
+                                    mask_mod=own_positions, seq_lengths=(1, kv.pages * page_size),
+                                    **options)  # fmt: skip
+
+
+def _compute_q_blocks_optional() -> bool:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+
+
+COMPUTE_Q_BLOCKS_OPTIONAL = _compute_q_blocks_optional()
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: a block mask (the decode step's over the pool) is flex
+    attention's, with the key and value heads shared by query groups in the kernel; any other mask
+    is transformers' sdpa's."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not isinstance(attention_mask, BlockMask):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    out = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_paged_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PAGED_ATTENTION, paged_attention)
 
 
 class DecodeStep:
@@ -77,14 +155,14 @@ class DecodeStep:
     GPU): the first step runs the compiled step as it is, the second records it as a CUDA graph,
     and every later step replays it, one launch a step."""
 
-    def __init__(self, step, target, kv: PagedKV, slots: int, graphed: bool):
+    def __init__(self, step, target, kv: PagedKV, slots: int, graphed: bool, whole_pool: bool = False):
         device = kv.decode_table.device
         self.step, self.target, self.kv, self.graphed = step, target, kv, graphed
         self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.following = torch.zeros(slots, dtype=torch.long, device=device)
         self.where = torch.zeros(slots, 1, dtype=torch.long, device=device)
-        self.pages = layer_pages(kv, kv.decode_table, self.where)
+        self.pages = layer_pages(kv, kv.decode_table, self.where, whole_pool)
         self.ran = False
         self.graph = None
 
