@@ -27,7 +27,8 @@ Rows:
               --page-size tokens (a pool of --batch-tokens), prompts prefilled --prefill-chunk tokens
               at a time between decode steps; timed twice (the first pass compiles its one decode
               shape), then its decode steps, prefill chunks, preemptions and the share of slot-steps
-              that decoded an answer token
+              that decoded an answer token; one row per --paged-attention entry (auto: flex
+              attention over the pool in place when compiled on CUDA; sdpa: pages gathered)
   workers     the product's stage machinery (trainer/data/regen_worker.py): N worker processes on the
               one device, the prompts split N ways (prompt i to worker i mod N), each building the
               target and compiling over the compile cache, timed twice; one row per --workers entry
@@ -411,6 +412,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--page-size", type=int, default=DataConfig.regen_page_size, help="paged: data.regen_page_size"
     )
+    parser.add_argument(
+        "--paged-attention", default="auto", help="paged: data.regen_attention, a comma list: a row for each"
+    )
     chunk = DataConfig.regen_prefill_chunk
     parser.add_argument("--prefill-chunk", type=int, default=chunk, help="paged: data.regen_prefill_chunk")
     parser.add_argument("--workers", default="2", help="workers row: worker processes, a comma list")
@@ -529,7 +533,9 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
                 )
                 timed("continuous (defaults)", device, run, prompts, limit, args.profile)
             elif row == "paged":
-                paged_row(args, target, prompts, settings_for(batch_sizes[0]), device, source.end_id)
+                for attention in args.paged_attention.split(","):
+                    paged = dataclasses.replace(settings_for(batch_sizes[0]), attention=attention)
+                    paged_row(args, target, prompts, paged, device, source.end_id)
             elif row in ("static", "shards"):
                 scopes = args.decode_scope.split(",")
                 for scope, batch_size in itertools.product(scopes, batch_sizes):
@@ -576,7 +582,7 @@ def paged_row(args, target, prompts, settings: RegenSettings, device, end_id: in
             answers.update(engine.generate(requests, new_tokens, end_id))
             return list(answers.values())
 
-        name = f"paged S{settings.slots} P{settings.page_size} pass {attempt}"
+        name = f"paged S{settings.slots} P{settings.page_size} {engine.settings.attention} pass {attempt}"
         timed(name, device, run, prompts, limit, args.profile and attempt == 2)
         after = (engine.decode_steps, engine.prefill_chunks, engine.preemptions)
         steps, chunks, preempted = (now - then for now, then in zip(after, before, strict=True))
