@@ -99,6 +99,10 @@ class PagedEngine:
         flex = settings.attention == "flex"
         self.steps = DecodeStep(step, target, self.kv, settings.slots, graphed, whole_pool=flex)
         self.iterations = self.decode_steps = self.prefill_chunks = self.preemptions = 0
+        # The decode table on the host, each slot's row written again only when its sequence
+        # (admission) or its page count changes; table_rows says what each row holds.
+        self.host_table = torch.zeros(settings.slots, settings.max_pages, dtype=torch.long)
+        self.table_rows: list = [None] * settings.slots
 
     @torch.no_grad()
     def generate(self, requests: Iterable[Request], max_new_tokens: int, end_id: int,
@@ -150,13 +154,19 @@ class PagedEngine:
             return []
         slots, page_size = self.settings.slots, self.settings.page_size
         tokens, positions, where = [0] * slots, [0] * slots, [0] * slots  # idle: the scratch page
-        table = [self.kv.table_row([])] * slots
+        rows = [None] * slots
         for sequence in decoding:
             position = sequence.computed
             tokens[sequence.slot], positions[sequence.slot] = sequence.answer[-1], position
             where[sequence.slot] = sequence.pages[position // page_size] * page_size + position % page_size
-            table[sequence.slot] = self.kv.table_row(sequence.pages)
-        self.steps.load(tokens, positions, where, table)
+            rows[sequence.slot] = (sequence.admitted, len(sequence.pages))
+            if self.table_rows[sequence.slot] != rows[sequence.slot]:
+                self.host_table[sequence.slot] = torch.tensor(self.kv.table_row(sequence.pages))
+        for slot, row in enumerate(rows):
+            if row is None and self.table_rows[slot] is not None:
+                self.host_table[slot] = 0  # the scratch page
+        self.table_rows = rows
+        self.steps.load(tokens, positions, where, self.host_table)
         following = self.steps.next().tolist()
         self.decode_steps += 1
         for sequence in decoding:

@@ -166,14 +166,14 @@ class DecodeStep:
         self.ran = False
         self.graph = None
 
-    def load(self, tokens: list[int], positions: list[int], where: list[int], table: list[list[int]]) -> None:
+    def load(self, tokens: list[int], positions: list[int], where: list[int], table: torch.Tensor) -> None:
         """The slots' last tokens, their positions, where their keys go (page x page size + offset)
-        and their tables, into the step's buffers: one copy to the device."""
+        and their tables (a host tensor), into the step's buffers."""
         rows = torch.tensor([tokens, positions, where], dtype=torch.long).T.to(self.tokens.device)
         self.tokens.copy_(rows[:, :1])
         self.positions.copy_(rows[:, 1:2])
         self.where.copy_(rows[:, 2:])
-        self.kv.decode_table.copy_(torch.tensor(table, dtype=torch.long).to(self.tokens.device))
+        self.kv.decode_table.copy_(table)
 
     def run(self) -> None:
         self.following.copy_(self.step(self.target, self.pages, self.tokens, self.positions))
