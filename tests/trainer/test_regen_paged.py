@@ -87,6 +87,26 @@ def test_a_query_that_sees_past_its_own_positions_changes_the_answers(tiny, prom
     assert [answers[i] for i in range(len(prompts))] != reference
 
 
+def test_a_packed_prefill_that_lets_a_sequence_see_its_neighbours_changes_the_answers(
+    tiny, prompts_and_answers, monkeypatch
+):
+    """The prefill's mask has teeth too: prompts packed in one chunk that see each other's keys
+    (only the position checked, not the sequence) no longer give greedy generate's answers."""
+    prompts, end_id, reference = prompts_and_answers
+
+    def any_sequence(positions, owners, keys_per_table, tables):
+        key_index = torch.arange(keys_per_table * tables, device=positions.device)
+        return (key_index % keys_per_table <= positions[:, :, None])[:, None]
+
+    def packed_answers() -> list[list[int]]:
+        answers = engine(tiny[0], chunk=24).generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+        return [answers[i] for i in range(len(prompts))]
+
+    assert packed_answers() == reference
+    monkeypatch.setattr("trainer.data.engine.engine.packed_visible", any_sequence)
+    assert packed_answers() != reference
+
+
 def test_a_next_turn_is_queued_when_its_answer_is_done_and_sees_that_answer(tiny, prompts_and_answers):
     prompts, end_id, reference = prompts_and_answers
     target, chat = tiny
