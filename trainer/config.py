@@ -295,6 +295,7 @@ REGEN_ATTENTIONS = ("auto", "sdpa", "flex_attention", "eager")
 SPEED_ONLY_DATA_KEYS = frozenset({
     "cache_dir", "regen_batch_size", "regen_batch_tokens", "regen_min_width", "regen_compile",
     "regen_compile_scope", "regen_compile_dynamic", "regen_attention", "regen_progress_every_s",
+    "regen_slots", "regen_page_size", "regen_prefill_chunk",
 })  # fmt: skip
 
 
@@ -323,8 +324,18 @@ class DataConfig:
     H200, docs/PERFORMANCE.md). Lower it on a GPU with less memory."""
     regen_engine: str = "static"
     """'static': `generate` with a static KV cache (compiled on CUDA) over length-sorted, left-padded
-    batches; 'continuous': transformers' continuous batching (`generate_batch`, paged attention).
-    static measured faster on an H200 (docs/PERFORMANCE.md); both give the same answers in float32."""
+    batches; 'continuous': transformers' continuous batching (`generate_batch`, paged attention);
+    'paged': the product's continuous batching over a paged KV cache (trainer/data/engine/: a slot
+    whose answer ends is refilled at once, KV memory taken a page at a time). static measured
+    faster than continuous on an H200 (docs/PERFORMANCE.md); all give the same answers in float32."""
+    regen_slots: int = 256
+    """Paged engine: sequences decoded at once (the decode step's rows, one compiled shape)."""
+    regen_page_size: int = 64
+    """Paged engine: tokens a KV page holds. The pool is regen_batch_tokens tokens of pages. On CUDA
+    flex attention reads a page as one key block: pages of 64 keep its kernel's tiles full."""
+    regen_prefill_chunk: int = 512
+    """Paged engine: the most prompt tokens prefilled between two decode steps, so a long prompt
+    does not stall the decoding rows."""
     regen_shard_size: int = 1024
     """Conversations per shard file: the unit of resuming and of sharing work among devices."""
     regen_min_width: int = 64
@@ -351,7 +362,9 @@ class DataConfig:
     """Static engine: the attention the target decodes with ('auto', 'sdpa', 'flex_attention',
     'eager'). 'auto' is flex attention when compiled on CUDA (it reads the grouped-query KV cache
     once a step; transformers' sdpa path copies it four times when a batch is padded: 2.1x the
-    tokens/s on an H200, docs/PERFORMANCE.md), the target's own (sdpa) otherwise."""
+    tokens/s on an H200, docs/PERFORMANCE.md), the target's own (sdpa) otherwise. Paged engine:
+    'flex_attention' (and 'auto' when compiled on CUDA) reads each slot's pages in place in the
+    pool; 'sdpa' and 'eager' (and 'auto' otherwise) gather each slot's pages first."""
     regen_progress_every_s: float = 30.0
     """Seconds between progress lines (conversations and tokens done, tokens/s, ETA)."""
 
@@ -359,7 +372,9 @@ class DataConfig:
         out = []
         if self.regen_max_new_tokens < 1:
             out.append(f"data.regen_max_new_tokens must be at least 1, got {self.regen_max_new_tokens}")
-        for name in ("regen_batch_size", "regen_batch_tokens", "regen_shard_size", "regen_min_width"):
+        sizes = ("regen_batch_size", "regen_batch_tokens", "regen_shard_size", "regen_min_width",
+                 "regen_slots", "regen_page_size", "regen_prefill_chunk")  # fmt: skip
+        for name in sizes:
             if getattr(self, name) < 1:
                 out.append(f"data.{name} must be at least 1, got {getattr(self, name)}")
         if self.regen_attention not in REGEN_ATTENTIONS:
@@ -368,8 +383,18 @@ class DataConfig:
         if self.regen_compile_scope not in ("step", "layers"):
             scope = self.regen_compile_scope
             out.append(f"data.regen_compile_scope must be 'step' or 'layers', got {scope!r}")
-        if self.regen_engine not in ("static", "continuous"):
-            out.append(f"data.regen_engine must be 'static' or 'continuous', got {self.regen_engine!r}")
+        if self.regen_engine not in ("static", "continuous", "paged"):
+            engine = self.regen_engine
+            out.append(f"data.regen_engine must be 'static', 'continuous' or 'paged', got {engine!r}")
+        elif self.regen_engine == "paged" and self.regen_page_size >= 1:
+            pages = self.regen_batch_tokens // self.regen_page_size
+            one_answer = -(-(self.regen_max_new_tokens + 1) // self.regen_page_size)
+            if pages - 1 < one_answer:
+                out.append(
+                    f"data.regen_batch_tokens={self.regen_batch_tokens} makes {pages} KV pages of "
+                    f"{self.regen_page_size} tokens (one kept as scratch), too few for one answer of "
+                    f"{self.regen_max_new_tokens} tokens; raise data.regen_batch_tokens"
+                )
         if not self.regen_progress_every_s > 0:
             out.append(f"data.regen_progress_every_s must be positive, got {self.regen_progress_every_s}")
         return out

@@ -18,7 +18,9 @@ settings and the dtype.
 Engines (data.regen_engine): "static" decodes greedily over a static KV cache (trainer/data/decode.py,
 compiled on CUDA) left-padded batches of similar length, widths rounded up to min_width x a power of
 two so few shapes compile; "continuous" is transformers' continuous batching (`generate_batch`, paged
-attention). Both are greedy; in float32 both give plain `generate`'s answers token for token.
+attention); "paged" is the product's own continuous batching over a paged KV cache
+(trainer/data/engine/), which queues a conversation's next turn as soon as its previous answer is
+done. All are greedy; in float32 all give plain `generate`'s answers token for token.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from .decode import StaticDecoder
 # In the cache key: shards made before the decoder built its own flex-attention masks (3) may hold
 # wrong answers (compiled on a GPU, a batch in a reused cache), so they are never read as current.
 REGEN_FORMAT = 3
-ENGINES = ("static", "continuous")
+ENGINES = ("static", "continuous", "paged")
 HASH_CHUNK = 1 << 20
 # Each (rows, width) shape compiles the decode step once: a few per bucketed width, a dozen widths
 # at most, more than Dynamo's default limit of 8 (past it, it runs eagerly).
@@ -80,6 +82,9 @@ class RegenSettings:
     compile_scope: str = DataConfig.regen_compile_scope
     compile_dynamic: bool = DataConfig.regen_compile_dynamic
     attention: str = DataConfig.regen_attention
+    slots: int = DataConfig.regen_slots
+    page_size: int = DataConfig.regen_page_size
+    prefill_chunk: int = DataConfig.regen_prefill_chunk
     dtype: str = "float32"
     # A turn is generated only while the conversation before it is shorter than this (the run's
     # train.seq_len): training cuts every conversation to it, so a later turn would never be seen.
@@ -87,8 +92,8 @@ class RegenSettings:
     max_prompt_tokens: int | None = None
 
     def key_fields(self) -> str:
-        # batch_size, batch_tokens, min_width, compile, compile_scope, compile_dynamic and attention
-        # change how, not what (exactly so in float32).
+        # batch_size, batch_tokens, min_width, compile, compile_scope, compile_dynamic, attention,
+        # slots, page_size and prefill_chunk change how, not what (exactly so in float32).
         fields = f"{REGEN_FORMAT}|{self.max_new_tokens}|{self.engine}|{self.shard_size}|{self.dtype}"
         return fields if self.max_prompt_tokens is None else f"{fields}|before {self.max_prompt_tokens}"
 
@@ -369,6 +374,14 @@ def out_of_memory(device, rows: int, width: int, settings: RegenSettings) -> str
         f"{settings.batch_tokens:,}, data.regen_batch_size {settings.batch_size}). Lower "
         f"data.regen_batch_tokens (e.g. to {max(1, settings.batch_tokens // 2):,}) and run again: the "
         "finished shards are kept"
+    )
+
+
+def paged_out_of_memory(device, settings: RegenSettings) -> str:
+    return (
+        f"{device} ran out of memory with a paged KV cache of {settings.batch_tokens:,} tokens "
+        f"(data.regen_batch_tokens) and {settings.slots} slots (data.regen_slots). Lower either and run "
+        "again: the finished shards are kept"
     )
 
 
@@ -686,6 +699,12 @@ class Regeneration:
         conversations = self.index.read(start, end)
         with self.tokenizer_lock:
             examples = list(tokenize_stream((messages for _, messages in conversations), self.chat))
+        if self.settings.engine == "paged":
+            if not self.regenerate_paged(conversations, examples, target, progress, should_stop):
+                return None
+            return [
+                {"line": line, "turns": e.turns} for (line, _), e in zip(conversations, examples, strict=True)
+            ]
         generate = GENERATORS[self.settings.engine]
         header, limit = len(self.chat.header("assistant")), self.settings.max_prompt_tokens
         for turn in range(max(len(e.turns) for e in examples)):
@@ -710,6 +729,18 @@ class Regeneration:
         return [
             {"line": line, "turns": e.turns} for (line, _), e in zip(conversations, examples, strict=True)
         ]
+
+    def regenerate_paged(self, conversations, examples, target, progress, should_stop) -> bool:
+        """Every turn of the shard through the paged engine (trainer/data/engine/conversations.py)."""
+        from .engine.conversations import paged_shard
+
+        device = next(target.parameters()).device
+        compiled = self.settings.compile and device.type == "cuda"
+        with torch.no_grad():
+            try:
+                return paged_shard(self, conversations, examples, target, progress, should_stop, compiled)
+            except torch.OutOfMemoryError as exc:
+                raise DataError(paged_out_of_memory(device, self.settings)) from exc
 
     def check_context(self, lines: list[int], prompts: list[list[int]]) -> None:
         if self.max_positions is None:

@@ -1,0 +1,352 @@
+"""The paged regeneration engine (trainer/data/engine/): continuous batching over a paged KV cache.
+Every answer equals plain greedy `generate` of its prompt alone in float32, whatever its neighbours,
+whatever its slot and pages held before, chunked prefills and preemptions included; the scheduler
+refills a slot at once and preempts the newest sequence when the pages run out."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from trainer.data.chat import ChatFormat, DataError, iter_conversations
+from trainer.data.engine import PagedEngine, PagedSettings
+from trainer.data.engine import step as paged_step
+from trainer.data.engine.scheduler import Scheduler, Sequence
+from trainer.data.regen import DataIndex, Progress, Regeneration, RegenSettings, run_workers
+from trainer.model.target import load_target, load_tokenizer
+
+pytestmark = pytest.mark.unit
+
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def tiny(embedded):
+    """(target on cpu in float32, chat format) of the embedded default."""
+    target_path, _ = embedded
+    return load_target(target_path, "cpu", "float32"), ChatFormat(load_tokenizer(target_path))
+
+
+def greedy(target, prompt: list[int], end_id: int, new_tokens: int = NEW_TOKENS) -> list[int]:
+    ids = torch.tensor([prompt])
+    output = target.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+        eos_token_id=end_id, pad_token_id=0,
+    )[0, len(prompt) :].tolist()  # fmt: skip
+    return output[: output.index(end_id)] if end_id in output else output
+
+
+@pytest.fixture(scope="module")
+def prompts_and_answers(embedded, tiny):
+    """Twelve prompts of 3 to 58 tokens, an end token that ends some answers after 0 to 6 tokens
+    (the commonest early token of the free-running answers), and each prompt's answer alone."""
+    target, chat = tiny
+    texts = [" ".join(m["content"] for m in messages) for _, messages in iter_conversations(embedded[1])]
+    prompts = [(chat.text(texts[i]) * 8)[: 3 + 5 * i] for i in range(12)]
+    free_running = [greedy(target, p, end_id=-1) for p in prompts]
+    early = [token for answer in free_running for token in answer[:8]]
+    end_id = max(set(early), key=early.count)
+    answers = [greedy(target, p, end_id) for p in prompts]
+    assert any(len(a) < NEW_TOKENS for a in answers) and any(len(a) == NEW_TOKENS for a in answers)
+    return prompts, end_id, answers
+
+
+def engine(target, **changes) -> PagedEngine:
+    base = {"slots": 3, "page_size": 4, "pages": 64, "max_tokens": 80, "chunk": 8}
+    return PagedEngine(target, PagedSettings(**{**base, **changes}))
+
+
+@pytest.mark.parametrize("pages", [64, 26], ids=["roomy", "preempting"])
+def test_every_answer_equals_greedy_generate_of_its_prompt_alone(tiny, prompts_and_answers, pages):
+    """More prompts than slots (each slot runs several in turn), prompts longer than a prefill chunk,
+    answers that end early; with a pool of 25 pages the newest sequences are preempted and
+    recomputed."""
+    prompts, end_id, reference = prompts_and_answers
+    paged = engine(tiny[0], pages=pages)
+    answers = paged.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+    assert [answers[i] for i in range(len(prompts))] == reference
+    assert (paged.preemptions > 0) == (pages == 26)
+    assert paged.prefill_chunks > len(prompts)  # chunked
+
+
+def test_a_query_that_sees_past_its_own_positions_changes_the_answers(tiny, prompts_and_answers, monkeypatch):
+    """The exactness test has teeth: with a mask that shows the rest of a sequence's last page (a
+    reused page's old keys, a fresh page's zeros) the answers are no longer greedy generate's."""
+    prompts, end_id, reference = prompts_and_answers
+    page_size = 4
+
+    def whole_last_page(positions, keys):
+        key_positions = torch.arange(keys, device=positions.device)
+        return (key_positions <= (positions[:, :, None] | (page_size - 1)))[:, None]
+
+    monkeypatch.setattr(paged_step, "visible", whole_last_page)
+    answers = engine(tiny[0], page_size=page_size).generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+    assert [answers[i] for i in range(len(prompts))] != reference
+
+
+def test_a_packed_prefill_that_lets_a_sequence_see_its_neighbours_changes_the_answers(
+    tiny, prompts_and_answers, monkeypatch
+):
+    """The prefill's mask has teeth too: prompts packed in one chunk that see each other's keys
+    (only the position checked, not the sequence) no longer give greedy generate's answers."""
+    prompts, end_id, reference = prompts_and_answers
+
+    def any_sequence(positions, owners, keys_per_table, tables):
+        key_index = torch.arange(keys_per_table * tables, device=positions.device)
+        return (key_index % keys_per_table <= positions[:, :, None])[:, None]
+
+    def packed_answers() -> list[list[int]]:
+        answers = engine(tiny[0], chunk=24).generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+        return [answers[i] for i in range(len(prompts))]
+
+    assert packed_answers() == reference
+    monkeypatch.setattr("trainer.data.engine.engine.packed_visible", any_sequence)
+    assert packed_answers() != reference
+
+
+def test_a_next_turn_is_queued_when_its_answer_is_done_and_sees_that_answer(tiny, prompts_and_answers):
+    prompts, end_id, reference = prompts_and_answers
+    target, chat = tiny
+    follow = chat.text(" and then")
+    queued_after: dict = {}
+
+    def next_turn(key, answer):
+        if isinstance(key, tuple):
+            return []
+        queued_after[key] = paged.decode_steps
+        return [((key, 2), prompts[key] + answer + follow)]
+
+    paged = engine(target, pages=40, max_tokens=120)
+    answers = paged.generate(list(enumerate(prompts[:6])), NEW_TOKENS, end_id, follow_up=next_turn)
+    for i in range(6):
+        assert answers[i] == reference[i]
+        assert answers[(i, 2)] == greedy(target, prompts[i] + reference[i] + follow, end_id)
+    # the first turns end at different steps, and their next turns start then, not after them all
+    assert len(set(queued_after.values())) > 1
+
+
+def test_a_stop_between_iterations_returns_none(tiny, prompts_and_answers):
+    prompts, end_id, _ = prompts_and_answers
+    calls = iter(range(100))
+    paged = engine(tiny[0])
+    stop = lambda: next(calls) == 5  # noqa: E731
+    stopped = paged.generate(list(enumerate(prompts)), NEW_TOKENS, end_id, should_stop=stop)
+    assert stopped is None and paged.iterations == 5
+
+
+def test_bad_settings_and_a_prompt_too_long_for_a_slot_are_refused_with_the_way_out(tiny):
+    with pytest.raises(ValueError, match=r"pool holds 9 .*raise data\.regen_batch_tokens"):
+        PagedSettings(slots=2, page_size=16, pages=10, max_tokens=1024, chunk=64)
+    with pytest.raises(ValueError, match="page_size must be at least 1, got 0"):
+        PagedSettings(slots=2, page_size=0, pages=10, max_tokens=64, chunk=64)
+    with pytest.raises(ValueError, match="a prompt of 70 tokens and 20 new ones do not fit a slot of 80"):
+        engine(tiny[0]).generate([(0, [1] * 70)], NEW_TOKENS, end_id=2)
+
+
+# ---- the scheduler alone ----
+
+
+def decode_once(scheduler: Scheduler) -> None:
+    """What the engine does to the decoding sequences in a step (without a model)."""
+    for sequence in scheduler.decoding():
+        sequence.computed += 1
+        sequence.answer.append(7)
+
+
+def prefill_all(scheduler: Scheduler) -> list[list[tuple[str, int, int]]]:
+    """Every prefill chunk (the engine's part without a model): [(key, start, tokens)] of each."""
+    chunks = []
+    while parts := scheduler.next_chunk():
+        chunks.append([(part.sequence.key, part.start, len(part.tokens)) for part in parts])
+        for part in parts:
+            part.sequence.computed += len(part.tokens)
+            if part.last:
+                part.sequence.decoding = True
+                part.sequence.answer.append(7)
+    return chunks
+
+
+def test_a_slot_that_ends_is_refilled_at_the_next_iteration_without_waiting_for_the_others():
+    scheduler = Scheduler(slots=2, pages=32, page_size=4, max_pages=8, chunk=4)
+    for key in "abc":
+        scheduler.add(Sequence(key, [1, 2, 3]))
+    scheduler.admit()
+    assert prefill_all(scheduler) == [[("a", 0, 3), ("b", 0, 1)], [("b", 1, 2)]]
+    a, b = scheduler.slots
+    assert (a.key, b.key) == ("a", "b") and [s.key for s in scheduler.waiting] == ["c"]
+    decode_once(scheduler)
+    scheduler.release(a)  # "a" ended; "b" goes on decoding
+    scheduler.admit()
+    assert scheduler.slots[0].key == "c" and scheduler.slots[1] is b
+    assert prefill_all(scheduler) == [[("c", 0, 3)]]
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_an_iteration_and_short_ones_share_a_chunk():
+    scheduler = Scheduler(slots=4, pages=32, page_size=4, max_pages=8, chunk=4)
+    scheduler.add(Sequence("long", list(range(10))))
+    for key in "ab":
+        scheduler.add(Sequence(key, [1, 2]))
+    chunks = []
+    for _ in range(4):
+        scheduler.admit()  # a prompt is admitted once the chunks ahead leave it room
+        chunks += prefill_all_one(scheduler)
+    assert chunks == [[("long", 0, 4)], [("long", 4, 4)], [("long", 8, 2), ("a", 0, 2)], [("b", 0, 2)]]
+
+
+def prefill_all_one(scheduler: Scheduler) -> list:
+    """One iteration's chunk only."""
+    parts = scheduler.next_chunk()
+    for part in parts:
+        part.sequence.computed += len(part.tokens)
+        part.sequence.decoding = part.last
+    return [[(part.sequence.key, part.start, len(part.tokens)) for part in parts]] if parts else []
+
+
+def test_a_dry_pool_preempts_the_newest_sequence_back_to_the_front_of_the_queue():
+    # 6 pages to hand out, pages of 2 tokens: "old" (3 tokens) takes 2, "new" (3 tokens) takes 2
+    scheduler = Scheduler(slots=3, pages=7, page_size=2, max_pages=6, chunk=8)
+    scheduler.add(Sequence("old", [1, 2, 3]))
+    scheduler.add(Sequence("new", [1, 2, 3]))
+    scheduler.add(Sequence("later", [1] * 7))
+    scheduler.admit()
+    prefill_all(scheduler)
+    scheduler.admit()  # "later" needs 4 pages + a reserve of 2: it waits
+    assert [s.key for s in scheduler.waiting] == ["later"] and scheduler.allocator.free == 2
+    for _ in range(5):  # each sequence grows a page every 2 tokens
+        scheduler.grow()
+        decode_once(scheduler)
+    old, new = scheduler.slots[0], next((s for s in scheduler.waiting if s.key == "new"), None)
+    assert old.key == "old" and new is not None and scheduler.waiting[0] is new
+    assert new.pages == [] and new.computed == 0 and not new.decoding and scheduler.preemptions == 1
+    assert len(old.pages) * 2 >= old.computed  # every position written has its page
+
+
+# ---- the regeneration stage with data.regen_engine=paged ----
+
+MULTI_TURN = {
+    "messages": [
+        {"role": "system", "content": "count"},
+        {"role": "user", "content": "count from 3 to 9"},
+        {"role": "assistant", "content": "3 4 5"},
+        {"role": "user", "content": "reverse a b c"},
+        {"role": "assistant", "content": "c b a"},
+        {"role": "user", "content": "and once more"},
+        {"role": "assistant", "content": "a b c"},
+    ]
+}
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory, embedded) -> pathlib.Path:
+    """Ten conversations, two of them of three turns."""
+    rows = [json.dumps({"messages": m}) for _, m in iter_conversations(embedded[1])][:8]
+    rows[2:2] = [json.dumps(MULTI_TURN)]
+    rows[6:6] = [json.dumps(MULTI_TURN)]
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def stage(root: pathlib.Path, data, tiny, engine_name: str) -> Regeneration:
+    chat = tiny[1]
+    settings = RegenSettings(max_new_tokens=12, engine=engine_name, shard_size=4, batch_size=3, min_width=8,
+                             slots=3, page_size=4, batch_tokens=160, prefill_chunk=16)  # fmt: skip
+    regen = Regeneration(DataIndex.build(data), settings, root, "key", chat, chat.end_id, None)
+    regen.prepare()
+    return regen
+
+
+def shard_bytes(regen: Regeneration) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(regen.directory.glob("shard-*"))}
+
+
+@pytest.fixture(scope="module")
+def static_shards(tmp_path_factory, chat_data, tiny) -> dict[str, bytes]:
+    regen = stage(tmp_path_factory.mktemp("static"), chat_data, tiny, "static")
+    assert run_workers(regen, [tiny[0]], Progress(len(regen.index)), lambda: False, lambda: None, 60.0)
+    return shard_bytes(regen)
+
+
+def test_a_paged_stage_writes_the_static_stage_s_shards_byte_for_byte(
+    tmp_path, chat_data, tiny, static_shards
+):
+    regen = stage(tmp_path, chat_data, tiny, "paged")
+    progress = Progress(len(regen.index))
+    assert run_workers(regen, [tiny[0]], progress, lambda: False, lambda: None, 60.0)
+    assert shard_bytes(regen) == static_shards and len(static_shards) == 6  # 3 shards, 3 seals
+    assert progress.done == 10 and progress.tokens > 0
+    turns = [[role for role, _ in e.turns] for e in regen.examples()]
+    assert turns[2] == turns[6] == [m["role"] for m in MULTI_TURN["messages"]]
+
+
+def test_a_stopped_paged_stage_keeps_its_shards_and_the_next_start_finishes_them_the_same(
+    tmp_path, chat_data, tiny, static_shards
+):
+    regen = stage(tmp_path, chat_data, tiny, "paged")
+    assert not run_workers(
+        regen, [tiny[0]], Progress(10), lambda: len(regen.missing()) < 3, lambda: None, 60.0
+    )
+    assert regen.missing() == [1, 2]
+    again = stage(tmp_path, chat_data, tiny, "paged")
+    assert run_workers(again, [tiny[0]], Progress(10), lambda: False, lambda: None, 60.0)
+    assert shard_bytes(again) == static_shards
+
+
+def test_a_pool_too_small_for_a_shard_s_longest_conversation_is_one_clear_error_before_decoding(
+    tmp_path, chat_data, tiny
+):
+    chat = tiny[1]
+    settings = RegenSettings(max_new_tokens=12, engine="paged", shard_size=4, slots=3, page_size=4,
+                             batch_tokens=48, prefill_chunk=16)  # fmt: skip
+    regen = Regeneration(DataIndex.build(chat_data), settings, tmp_path, "key", chat, chat.end_id, None)
+    regen.prepare()
+    kept = r"68 tokens takes 17 pages of 4 tokens, and the pool holds 11 .*regen_batch_tokens.*are kept"
+    with pytest.raises(DataError, match=kept):
+        run_workers(regen, [tiny[0]], Progress(10), lambda: False, lambda: None, 60.0)
+    assert not list(regen.directory.glob("shard-*"))
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"regen_engine": "pagd"}, "data.regen_engine must be 'static', 'continuous' or 'paged', got 'pagd'"),
+        ({"regen_engine": "paged", "regen_page_size": 0}, "data.regen_page_size must be at least 1, got 0"),
+        ({"regen_engine": "paged", "regen_slots": 0}, "data.regen_slots must be at least 1, got 0"),
+        ({"regen_engine": "paged", "regen_prefill_chunk": -1}, "data.regen_prefill_chunk must be at least 1"),
+        (
+            {
+                "regen_engine": "paged",
+                "regen_batch_tokens": 64,
+                "regen_page_size": 16,
+                "regen_max_new_tokens": 64,
+            },
+            "data.regen_batch_tokens=64 makes 4 KV pages of 16 tokens (one kept as scratch), too few for one "
+            "answer of 64 tokens; raise data.regen_batch_tokens",
+        ),
+    ],
+)
+def test_bad_paged_settings_in_the_config_are_named(changes, problem):
+    from trainer.config import DataConfig
+
+    assert problem in " | ".join(DataConfig(**changes).problems())
+    assert DataConfig(regen_engine="paged").problems() == []
+
+
+def test_a_slot_holds_a_power_of_two_pages_within_the_pool():
+    from trainer.data.engine.conversations import slot_tokens
+
+    assert slot_tokens(70, 4, pool_pages=64) == 32 * 4  # 18 pages needed: 32, a shape shared by more
+    assert slot_tokens(70, 4, pool_pages=26) == 25 * 4  # 32 do not fit: what the pool holds
+    assert slot_tokens(70, 4, pool_pages=12) == 18 * 4  # not even 18: the engine refuses it, naming both
+
+
+def test_the_paged_settings_change_only_the_speed_so_a_resume_may_change_them():
+    from trainer.config import SPEED_ONLY_DATA_KEYS
+
+    some = RegenSettings(engine="paged", slots=2, page_size=4, prefill_chunk=8)
+    other = RegenSettings(engine="paged", slots=64, page_size=32, prefill_chunk=1024)
+    assert some.key_fields() == other.key_fields() != RegenSettings(engine="static").key_fields()
+    assert {"regen_slots", "regen_page_size", "regen_prefill_chunk"} <= SPEED_ONLY_DATA_KEYS

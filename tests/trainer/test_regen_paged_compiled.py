@@ -1,0 +1,90 @@
+"""The paged engine's decode step compiled (one shape for a whole run, no graph break) gives the eager
+step's answers; flex attention over the pool in place gives greedy `generate`'s (eagerly on a CPU,
+where Inductor has no flex kernel for one query token); on a GPU, both ways compiled and replayed
+as a CUDA graph, plain greedy `generate`'s in float32. Slower than the unit lane: a compile of the
+embedded target's step takes 15-60 s on a CPU, flex attention runs eagerly 10-20 s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.data.chat import ChatFormat, iter_conversations
+from trainer.data.engine import PagedEngine, PagedSettings
+from trainer.model.target import load_target, load_tokenizer
+
+NEW_TOKENS = 16
+
+
+def prompts_of(embedded, chat) -> list[list[int]]:
+    texts = [" ".join(m["content"] for m in messages) for _, messages in iter_conversations(embedded[1])]
+    return [(chat.text(texts[i]) * 8)[: 3 + 5 * i] for i in range(10)]
+
+
+def greedy(target, prompt: list[int], end_id: int) -> list[int]:
+    ids = torch.tensor([prompt], device=target.device)
+    output = target.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+        eos_token_id=end_id, pad_token_id=0,
+    )[0, len(prompt) :].tolist()  # fmt: skip
+    return output[: output.index(end_id)] if end_id in output else output
+
+
+def paged(target, compile: bool, attention: str = "gather") -> PagedEngine:
+    settings = PagedSettings(slots=3, page_size=4, pages=26, max_tokens=64, chunk=8, compile=compile,
+                             attention=attention)  # fmt: skip
+    return PagedEngine(target, settings)
+
+
+def end_token_and_answers(target, prompts) -> tuple[int, list[list[int]]]:
+    """An end token that ends some answers early (the commonest early token), and the answers."""
+    free_running = [greedy(target, p, end_id=-1) for p in prompts]
+    early = [token for answer in free_running for token in answer[:6]]
+    end_id = max(set(early), key=early.count)
+    return end_id, [greedy(target, p, end_id) for p in prompts]
+
+
+def test_the_compiled_decode_step_compiles_once_and_gives_the_eager_answers(embedded):
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(1)
+    target = load_target(embedded[0], "cpu", "float32")
+    chat = ChatFormat(load_tokenizer(embedded[0]))
+    requests = list(enumerate(prompts_of(embedded, chat)))
+    eager = paged(target, compile=False).generate(requests, NEW_TOKENS, chat.end_id)
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    compiled = paged(target, compile=True)
+    assert compiled.generate(requests, NEW_TOKENS, chat.end_id) == eager
+    assert compiled.preemptions > 0  # slots refilled and sequences recomputed around the one shape
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert sum(counters["graph_break"].values()) == breaks
+
+
+def test_flex_attention_over_the_pool_in_place_gives_greedy_generate_s_answers(embedded):
+    torch.set_num_threads(1)
+    target = load_target(embedded[0], "cpu", "float32")
+    prompts = prompts_of(embedded, ChatFormat(load_tokenizer(embedded[0])))
+    end_id, reference = end_token_and_answers(target, prompts)
+    engine = paged(target, compile=False, attention="flex")
+    answers = engine.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+    assert [answers[i] for i in range(len(prompts))] == reference
+    assert engine.preemptions > 0
+    assert target.config._attn_implementation == "sdpa"  # the target's own again
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
+@pytest.mark.parametrize(("attention", "page_size"), [("gather", 4), ("flex", 16), ("flex", 64)])
+def test_the_decode_step_replayed_as_a_cuda_graph_gives_greedy_generate_s_answers(
+    embedded, attention, page_size
+):
+    target = load_target(embedded[0], "cuda", "float32")
+    prompts = prompts_of(embedded, ChatFormat(load_tokenizer(embedded[0])))
+    end_id, reference = end_token_and_answers(target, prompts)
+    pages = 26 * 4 // page_size + 1 if page_size < 64 else 4  # a pool that preempts
+    settings = PagedSettings(slots=3, page_size=page_size, pages=pages, max_tokens=64, chunk=8, compile=True,
+                             attention=attention)  # fmt: skip
+    engine = PagedEngine(target, settings)
+    answers = engine.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+    assert engine.steps.graph is not None  # the steps after the first two replayed the graph
+    assert [answers[i] for i in range(len(prompts))] == reference

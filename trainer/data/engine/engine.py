@@ -1,0 +1,217 @@
+"""The loop: admit, grow, one decode step of every decoding slot, one prefill chunk, retire.
+
+A request is (key, prompt); `follow_up(key, answer)` may return the requests its answer makes
+possible (a conversation's next turn, whose prompt holds this answer), queued at once. Answers
+are greedy and equal plain `generate`'s for each prompt alone (in float32): each sequence sees only
+its own pages, through masks by position, whatever its neighbours and whatever its slot or pages
+held before."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ...model.target import attention_of
+from .kv_pages import PagedKV, pages_for
+from .scheduler import Scheduler, Sequence
+from .step import (
+    PAGED_ATTENTION,
+    DecodeStep,
+    decode_step,
+    flex_decode_step,
+    greedy,
+    layer_pages,
+    packed_visible,
+    paged_forward,
+    register_paged_attention,
+)
+
+DECODE_STEPS = {"gather": decode_step, "flex": flex_decode_step}
+ATTENTIONS = tuple(DECODE_STEPS)
+
+Request = tuple[object, list[int]]
+
+
+@dataclass(frozen=True)
+class PagedSettings:
+    """slots: sequences decoded at once (the decode step's rows). page_size: tokens a KV page holds.
+    pages: the pool's pages (one of them scratch). max_tokens: the longest sequence (prompt +
+    answer) a slot holds; the decode step reads max_tokens rounded up to pages per slot. chunk: the
+    most prompt tokens prefilled in one iteration. compile: the decode step compiled (and, on a
+    GPU, replayed as a CUDA graph). attention: how the decode step reads the pages, "gather" (each
+    slot's whole table copied in order, read by the target's own sdpa or eager attention) or
+    "flex" (flex attention over the pool in place: only the pages in use, no copy)."""
+
+    slots: int
+    page_size: int
+    pages: int
+    max_tokens: int
+    chunk: int
+    compile: bool = False
+    attention: str = "gather"
+
+    def __post_init__(self):
+        if self.attention not in ATTENTIONS:
+            raise ValueError(
+                f"paged engine: attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
+            )
+        for name in ("slots", "page_size", "max_tokens", "chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"paged engine: {name} must be at least 1, got {getattr(self, name)}")
+        if self.pages - 1 < self.max_pages:
+            raise ValueError(
+                f"paged engine: a sequence of {self.max_tokens} tokens takes {self.max_pages} pages of "
+                f"{self.page_size} tokens, and the pool holds {self.pages - 1} (one page is scratch); "
+                "raise data.regen_batch_tokens or lower data.regen_max_new_tokens"
+            )
+
+    @property
+    def max_pages(self) -> int:
+        return pages_for(self.max_tokens, self.page_size)
+
+
+_COMPILED_STEPS: dict = {}
+
+
+def compiled_decode_step(attention: str):
+    """decode_step compiled once a process (a new wrapper would trace again), at static shapes,
+    without torch's CUDA graphs (DecodeStep records its own). Inductor's output is kept in the
+    compile cache as every compile's is; Dynamo's trace is not (torch's precompile, which the static
+    engine uses, refuses this step's guards with transformers 5.24: decoder layers look up
+    `type(self).forward`, a class guard it cannot keep), so each process traces it again."""
+    if attention not in _COMPILED_STEPS:
+        _COMPILED_STEPS[attention] = torch.compile(DECODE_STEPS[attention], dynamic=False)
+    return _COMPILED_STEPS[attention]
+
+
+class PagedEngine:
+    def __init__(self, target, settings: PagedSettings):
+        parameter = next(target.parameters())
+        self.target, self.settings = target, settings
+        self.kv = PagedKV(target.config, settings.pages, settings.page_size, settings.slots,
+                          settings.max_pages, parameter.device, parameter.dtype)  # fmt: skip
+        graphed = settings.compile and parameter.device.type == "cuda"
+        step = (
+            compiled_decode_step(settings.attention) if settings.compile else DECODE_STEPS[settings.attention]
+        )
+        flex = settings.attention == "flex"
+        self.steps = DecodeStep(step, target, self.kv, settings.slots, graphed, whole_pool=flex)
+        self.iterations = self.decode_steps = self.prefill_chunks = self.preemptions = 0
+        # The decode table on the host, each slot's row written again only when its sequence
+        # (admission) or its page count changes; table_rows says what each row holds.
+        self.host_table = torch.zeros(settings.slots, settings.max_pages, dtype=torch.long)
+        self.table_rows: list = [None] * settings.slots
+
+    @torch.no_grad()
+    def generate(self, requests: Iterable[Request], max_new_tokens: int, end_id: int,
+                 follow_up: Callable[[object, list[int]], Iterable[Request]] | None = None,
+                 should_stop: Callable[[], bool] = lambda: False,
+                 answer_limit: Callable[[object], int] | None = None) -> dict | None:  # fmt: skip
+        """{key: answer without its end token} for every request and follow-up; None if a stop came
+        (between iterations). answer_limit (a bench's, for targets that never say their end token):
+        a request's answer ends after that many tokens, if fewer than max_new_tokens."""
+
+        def limit(key) -> int:
+            return min(max_new_tokens, answer_limit(key)) if answer_limit else max_new_tokens
+
+        if self.settings.attention == "flex":
+            register_paged_attention()
+            with attention_of(self.target, PAGED_ATTENTION):
+                return self.run(requests, max_new_tokens, end_id, follow_up, should_stop, limit)
+        return self.run(requests, max_new_tokens, end_id, follow_up, should_stop, limit)
+
+    def run(self, requests, max_new_tokens: int, end_id: int, follow_up, should_stop, limit) -> dict | None:
+        s = self.settings
+        scheduler = Scheduler(s.slots, s.pages, s.page_size, s.max_pages, s.chunk)
+        for key, prompt in requests:
+            scheduler.add(self.checked(key, prompt, max_new_tokens, limit(key)))
+        answers = {}
+        while scheduler.busy:
+            if should_stop():
+                return None
+            scheduler.admit()
+            scheduler.grow()
+            ended = self.decode(scheduler, end_id)
+            ended += self.prefill(scheduler, end_id)
+            for sequence in ended:
+                scheduler.release(sequence)
+                answer = sequence.answer[:-1] if sequence.answer[-1] == end_id else sequence.answer
+                answers[sequence.key] = answer
+                for key, prompt in follow_up(sequence.key, answer) if follow_up else ():
+                    scheduler.add(self.checked(key, prompt, max_new_tokens, limit(key)))
+            self.iterations += 1
+        self.preemptions += scheduler.preemptions
+        return answers
+
+    def checked(self, key, prompt: list[int], max_new_tokens: int, limit: int) -> Sequence:
+        # The last answer token is never written to the cache: prompt + max_new_tokens - 1 positions.
+        if not prompt or len(prompt) + max_new_tokens - 1 > self.settings.max_tokens:
+            raise ValueError(
+                f"paged engine: a prompt of {len(prompt)} tokens and {max_new_tokens} new ones do not fit "
+                f"a slot of {self.settings.max_tokens} tokens"
+            )
+        return Sequence(key, list(prompt), limit=limit)
+
+    def decode(self, scheduler: Scheduler, end_id: int) -> list[Sequence]:
+        decoding = scheduler.decoding()
+        if not decoding:
+            return []
+        slots, page_size = self.settings.slots, self.settings.page_size
+        tokens, positions, where = [0] * slots, [0] * slots, [0] * slots  # idle: the scratch page
+        rows = [None] * slots
+        for sequence in decoding:
+            position = sequence.computed
+            tokens[sequence.slot], positions[sequence.slot] = sequence.answer[-1], position
+            where[sequence.slot] = sequence.pages[position // page_size] * page_size + position % page_size
+            rows[sequence.slot] = (sequence.admitted, len(sequence.pages))
+            if self.table_rows[sequence.slot] != rows[sequence.slot]:
+                self.host_table[sequence.slot] = torch.tensor(self.kv.table_row(sequence.pages))
+        for slot, row in enumerate(rows):
+            if row is None and self.table_rows[slot] is not None:
+                self.host_table[slot] = 0  # the scratch page
+        self.table_rows = rows
+        self.steps.load(tokens, positions, where, self.host_table)
+        following = self.steps.next().tolist()
+        self.decode_steps += 1
+        for sequence in decoding:
+            sequence.computed += 1
+            sequence.answer.append(following[sequence.slot])
+        return [q for q in decoding if q.answer[-1] == end_id or len(q.answer) == q.limit]
+
+    def prefill(self, scheduler: Scheduler, end_id: int) -> list[Sequence]:
+        """One prefill chunk: the chunks of every sequence in it packed in one row, each reading its
+        own table; a sequence whose prompt it ends gets its first answer token."""
+        chunks = scheduler.next_chunk()
+        if not chunks:
+            return []
+        page_size, device = self.settings.page_size, self.kv.decode_table.device
+        tokens, positions, owners, where, table, ends = [], [], [], [], [], []
+        for owner, chunk in enumerate(chunks):
+            pages = chunk.sequence.pages
+            span = range(chunk.start, chunk.start + len(chunk.tokens))
+            tokens += chunk.tokens
+            positions += span
+            owners += [owner] * len(span)
+            where += [pages[p // page_size] * page_size + p % page_size for p in span]
+            table += self.kv.table_row(pages)
+            ends.append(len(tokens) - 1)
+        as_row = lambda values: torch.tensor([values], dtype=torch.long, device=device)  # noqa: E731
+        positions_row, table_row = as_row(positions), as_row(table)
+        seen = packed_visible(positions_row, as_row(owners), self.kv.max_pages * page_size, len(chunks))
+        pages = layer_pages(self.kv, table_row, as_row(where))
+        hidden = paged_forward(self.target, pages, as_row(tokens), positions_row, seen)
+        following = greedy(self.target, hidden[0, ends]).tolist()
+        self.prefill_chunks += 1
+        done = []
+        for chunk, token in zip(chunks, following, strict=True):
+            sequence = chunk.sequence
+            sequence.computed += len(chunk.tokens)
+            if not chunk.last:
+                continue
+            sequence.decoding = True
+            sequence.answer.append(token)
+            if token == end_id or len(sequence.answer) == sequence.limit:
+                done.append(sequence)
+        return done

@@ -1,0 +1,204 @@
+"""The target's forward over the paged KV cache: its own embedding, rotary embedding, decoder layers,
+final norm and LM head, called here one after the other, each layer handed its view of the pages
+(kv_pages.LayerPages) and a mask of the positions each query sees. The attention is the layers'
+own (sdpa or eager), so the arithmetic is the model's.
+
+Two shapes: a prefill chunk, up to `chunk` prompt tokens of one or more sequences packed in one
+row, each reading its own pages (eager, its shape varies), and the decode step, every slot x one
+token over max_pages pages a slot: one shape for a whole run, so it is compiled once and, on a
+GPU, replayed as a CUDA graph (DecodeStep)."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..decode import cache_keyword
+from .kv_pages import LayerPages, PagedKV
+
+# The attention the decode step reads the pool through in place (flex attention): registered with
+# transformers under this name; any other mask (a prefill's) goes to transformers' own sdpa.
+FLEX_QUERY_BLOCK = 128
+PAGED_ATTENTION = "paged_pool"  # no "flash" in it: transformers takes such a name for a flash kernel
+
+
+def visible(positions: torch.Tensor, keys: int) -> torch.Tensor:
+    """[rows, 1, queries, keys]: a query at position p sees the keys at positions 0..p of its own
+    row's pages. Every later position is hidden, whatever a page handed out again still holds."""
+    key_index = torch.arange(keys, device=positions.device)
+    return (key_index <= positions[:, :, None])[:, None]
+
+
+def packed_visible(positions: torch.Tensor, owners: torch.Tensor, keys_per_table: int, tables: int):
+    """visible() for sequences packed in one row [1, queries], their tables one after another:
+    a query sees positions 0..p of its own sequence's (owners [1, queries]) table only."""
+    key_index = torch.arange(keys_per_table * tables, device=positions.device)
+    own = key_index // keys_per_table == owners[:, :, None]
+    return (own & (key_index % keys_per_table <= positions[:, :, None]))[:, None]
+
+
+def as_attention_mask(target, seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The mask in the form the target's attention takes: boolean (sdpa, and the paged attention's
+    sdpa), or added to the scores (eager); a block mask as it is."""
+    if target.config._attn_implementation in ("sdpa", PAGED_ATTENTION) or not isinstance(seen, torch.Tensor):
+        return seen
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
+
+
+def paged_forward(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor,
+                  seen: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """tokens, positions [rows, n]; pages: each layer's view (where these tokens are written, which
+    pages each row reads); seen: visible(...). Writes the tokens' keys and values into their pages
+    and returns the final hidden states [rows, n, hidden]."""
+    base = getattr(target, target.base_model_prefix)
+    hidden = base.embed_tokens(tokens)
+    rotary = base.rotary_emb(hidden, positions)
+    mask = as_attention_mask(target, seen, hidden.dtype)
+    cache_name = cache_keyword(target)
+    for layer, layer_pages in zip(base.layers, pages, strict=True):
+        hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary,
+                       **{cache_name: layer_pages})  # fmt: skip
+    return base.norm(hidden)
+
+
+def greedy(target, hidden: torch.Tensor) -> torch.Tensor:
+    return target.lm_head(hidden).argmax(-1)
+
+
+def layer_pages(kv: PagedKV, table: torch.Tensor, where: torch.Tensor, whole_pool=False) -> list[LayerPages]:
+    """Every layer's view of the pages: rows read this table's pages, tokens are written at `where`.
+    Made outside the compiled step (the decode step's once, over its buffers): Dynamo would guard
+    on their class being made inside, a guard torch's precompile cannot keep."""
+    return [LayerPages(kv, layer, table, where, whole_pool) for layer in range(len(kv.keys))]
+
+
+def decode_step(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor):
+    """One token of every slot, over the decode table (idle slots write to the scratch page): each
+    slot's pages gathered in order, read by the target's own attention."""
+    seen = visible(positions, pages[0].keys_seen)
+    return greedy(target, paged_forward(target, pages, tokens, positions, seen)[:, -1])
+
+
+def flex_decode_step(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor):
+    """decode_step with flex attention reading each slot's pages where they lie in the pool: a
+    step reads the pages in use, not every slot's whole table, and copies none."""
+    mask = pool_block_mask(pages[0].kv, pages[0].table, positions)
+    return greedy(target, paged_forward(target, pages, tokens, positions, mask)[:, -1])
+
+
+def pool_block_mask(kv: PagedKV, table: torch.Tensor, positions: torch.Tensor):
+    """The flex-attention block mask of a decode step over the whole pool: slot b visits the pages
+    of its table up to its position's, and sees in them the positions 0..p of its own sequence (a
+    page's owner and place in its table, taken from the tables). An idle slot sees nothing."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    slots, width = table.shape
+    page_size, device = kv.page_size, table.device
+    in_use = torch.arange(width, device=device) <= positions // page_size  # [slots, width]
+    page = torch.where(in_use, table, 0).flatten()
+    owner = torch.full((kv.pages,), -1, dtype=torch.long, device=device)
+    owner.scatter_(0, page, torch.where(in_use, torch.arange(slots, device=device)[:, None], -1).flatten())
+    place = torch.zeros(kv.pages, dtype=torch.long, device=device)
+    place.scatter_(0, page, torch.arange(width, device=device).expand(slots, width).flatten())
+    owner[0] = -1  # the scratch page: every idle slot's, and no sequence's
+    last = positions[:, 0]
+
+    def own_positions(b, h, q, key):
+        key_page = key // page_size
+        return (owner[key_page] == b) & (place[key_page] * page_size + key % page_size <= last[b])
+
+    visited = (last // page_size + 1).to(torch.int32).view(slots, 1, 1)
+    order = torch.zeros(slots, 1, 1, kv.pages, dtype=torch.int32, device=device)
+    order[:, 0, 0, :width] = table.to(torch.int32)
+    options = {"compute_q_blocks": False} if COMPUTE_Q_BLOCKS_OPTIONAL else {}
+    # Query blocks of flex attention's usual size (a decode step has one): its decoding kernel takes
+    # key blocks as small as a page, not query blocks smaller than its own tile.
+    return BlockMask.from_kv_blocks(visited, order, BLOCK_SIZE=(FLEX_QUERY_BLOCK, page_size),
+                                    mask_mod=own_positions, seq_lengths=(1, kv.pages * page_size),
+                                    **options)  # fmt: skip
+
+
+def _compute_q_blocks_optional() -> bool:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+
+
+COMPUTE_Q_BLOCKS_OPTIONAL = _compute_q_blocks_optional()
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: a block mask (the decode step's over the pool) is flex
+    attention's, with the key and value heads shared by query groups in the kernel; any other mask
+    is transformers' sdpa's."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not isinstance(attention_mask, BlockMask):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    out = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_paged_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PAGED_ATTENTION, paged_attention)
+
+
+class DecodeStep:
+    """The decode step at its one shape, on input buffers of its own: the host loads the slots'
+    tokens, positions and tables into them in place before each step. graphed (compiled, on a
+    GPU): the first step runs the compiled step as it is, the second records it as a CUDA graph,
+    and every later step replays it, one launch a step."""
+
+    def __init__(self, step, target, kv: PagedKV, slots: int, graphed: bool, whole_pool: bool = False):
+        device = kv.decode_table.device
+        self.step, self.target, self.kv, self.graphed = step, target, kv, graphed
+        self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        self.following = torch.zeros(slots, dtype=torch.long, device=device)
+        self.where = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        self.pages = layer_pages(kv, kv.decode_table, self.where, whole_pool)
+        self.ran = False
+        self.graph = None
+
+    def load(self, tokens: list[int], positions: list[int], where: list[int], table: torch.Tensor) -> None:
+        """The slots' last tokens, their positions, where their keys go (page x page size + offset)
+        and their tables (a host tensor), into the step's buffers."""
+        rows = torch.tensor([tokens, positions, where], dtype=torch.long).T.to(self.tokens.device)
+        self.tokens.copy_(rows[:, :1])
+        self.positions.copy_(rows[:, 1:2])
+        self.where.copy_(rows[:, 2:])
+        self.kv.decode_table.copy_(table)
+
+    def run(self) -> None:
+        self.following.copy_(self.step(self.target, self.pages, self.tokens, self.positions))
+
+    def next(self) -> torch.Tensor:
+        """The next token of every slot [slots], in the step's own buffer."""
+        if self.graph is not None:
+            self.graph.replay()
+        elif not self.graphed:
+            self.run()
+        elif not self.ran:
+            self.first_run()
+        else:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.run()
+            self.graph.replay()  # recording ran nothing: this is the step itself
+        return self.following
+
+    def first_run(self) -> None:
+        # On a side stream, as recording wants: the libraries' first-call setup happens outside it.
+        device = self.tokens.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self.run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.ran = True
