@@ -163,9 +163,8 @@ def keeping_traces(fn: Callable, **options) -> Callable:
         except Exception as exc:
             if not loaded or not compile_machinery_failed(exc):
                 raise
-            TRACES_ABANDONED.append(
-                f"{fn.__qualname__} on inputs {input_shapes(args)}: {type(exc).__name__}: {exc}".rstrip(": ")
-            )
+            why = f"{type(exc).__name__}: {first_line(exc)}".rstrip(": ")
+            TRACES_ABANDONED.append(f"{fn.__qualname__} on inputs {input_shapes(args)}: {why}")
         number_after_loaded_names()
         fresh.append(fresh_compile(fn, **options))
         return fresh[0](*args, **kwargs)
@@ -227,6 +226,12 @@ def fresh_compile(fn: Callable, **options) -> Callable:
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__ = fn.__qualname__
     return torch.compile(copy, **options)
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message for one log line: Dynamo's run over many lines."""
+    text = str(exc).strip().splitlines()
+    return text[0][:limit] if text else ""
 
 
 def input_shapes(args) -> str:
