@@ -5,11 +5,14 @@ process over the same compile cache (what a restart or the next GPU's worker pay
     python bench/decode_compile_bench.py                       # CPU: a 36-layer small Qwen3
     python bench/decode_compile_bench.py --shapes 8x64,16x128,32x128,64x256,8x512 --scopes step,layers
     python3 bench/decode_compile_bench.py --attention flex_attention --shapes 8x128,16x256 --dynamic static
+    python3 bench/decode_compile_bench.py --shapes 8x128 --warm-shapes 8x128,16x256 --dynamic static
 
 Each (scope, dynamic) runs in two fresh processes over one new compile cache (trainer.model.
 compile_cache: Inductor's caches and torch's artifact bundles): "cold" compiles into it, "warm"
-loads it. Per batch shape (rows x prompt width, --new-tokens decoded): the first batch's time (the
-compile, or the load and trace), another batch of the shape (steady), the graphs Dynamo compiled so
+loads it (--warm-shapes: the warm process meets other shapes too, as the next data set or a
+resumed regeneration does: it loads what the cache holds and compiles what it lacks). Per batch
+shape (rows x prompt width, --new-tokens decoded): the first batch's time (the compile, or the
+load and trace), another batch of the shape (steady), the graphs Dynamo compiled so
 far, and whether both batches' answers equal the uncompiled loop's. On a GPU the step scope records
 CUDA graphs, as the product does; bench/regen_bench.py --decode-scope step,step+dynamic measures
 the Qwen3-8B shape with the product's batches.
@@ -93,6 +96,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=36, help="decoder layers (Qwen3-8B: 36)")
     parser.add_argument("--shapes", default="8x64,16x128,32x128,64x256,8x512", help="ROWSxWIDTH,...")
+    parser.add_argument(
+        "--warm-shapes", help="the warm process's shapes (default: --shapes), e.g. shapes the cache lacks too"
+    )
     parser.add_argument("--scopes", default="step", help="step, layers or both: data.regen_compile_scope")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--dynamic", default="static,dynamic", help="static, dynamic or both")
@@ -108,7 +114,8 @@ def main() -> int:
         return 0
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")  # the children's
     attention = args.attention or "the target's own"
-    shapes = f"shapes {args.shapes}, {args.new_tokens} new tokens, attention {attention}"
+    warm_shapes = args.warm_shapes or args.shapes
+    shapes = f"shapes {args.shapes} (warm {warm_shapes}), {args.new_tokens} new tokens, attention {attention}"
     print(f"torch {torch.__version__}, {args.layers} layers, {shapes}")
     for scope in args.scopes.split(","):
         for dynamic in args.dynamic.split(","):
@@ -117,7 +124,7 @@ def main() -> int:
             for start in ("cold", "warm"):
                 child = [
                     sys.executable, __file__, "--one", f"{scope}:{dynamic}", "--cache", str(cache),
-                    "--layers", str(args.layers), "--shapes", args.shapes,
+                    "--layers", str(args.layers), "--shapes", args.shapes if start == "cold" else warm_shapes,
                     "--new-tokens", str(args.new_tokens),
                 ] + (["--attention", args.attention] if args.attention else [])  # fmt: skip
                 began = time.perf_counter()

@@ -321,7 +321,8 @@ class DataConfig:
     two, so long prompts go in smaller batches: a decode step reads every row's whole static cache.
     The KV cache takes this many tokens x 144 KiB at the Qwen3-8B shape (36 layers x 8 KV heads x
     128 x 2 x bf16): 36 GiB at the default, 64.4 GiB at the peak with the target's weights (one
-    H200, docs/PERFORMANCE.md). Lower it on a GPU with less memory."""
+    H200, docs/PERFORMANCE.md). A cap: on a GPU, batches are also sized to its free memory, counting
+    each batch's prefill (docs/DATA.md)."""
     regen_engine: str = "static"
     """'static': `generate` with a static KV cache (compiled on CUDA) over length-sorted, left-padded
     batches; 'continuous': transformers' continuous batching (`generate_batch`, paged attention);
@@ -466,9 +467,10 @@ class LogConfig:
     report_to: list[str] = field(default_factory=list)
     """Experiment trackers that also receive the run (any of tensorboard, mlflow, wandb; empty: none).
     tensorboard: event files under <out>/tensorboard. mlflow: a SQLite database, <out>/mlflow.db
-    (MLflow's default store), or the server or database MLFLOW_TRACKING_URI names. wandb: offline under <out>/wandb without WANDB_API_KEY,
-    online with it. Each gets the config at the start, every metric row and the run's events; a
-    resumed run continues the same tracker run (<out>/trackers.json)."""
+    (MLflow's default store), or the server or database MLFLOW_TRACKING_URI names. wandb: offline
+    under <out>/wandb without WANDB_API_KEY, online with it. Each gets the config at the start, every
+    metric row and the run's events; a resumed run continues the same tracker run
+    (<out>/trackers.json)."""
     tensorboard: bool = False
     """The same as naming tensorboard in report_to (kept for machine configs that say it this way)."""
 

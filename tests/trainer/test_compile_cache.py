@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from trainer.model import compile_cache
@@ -154,3 +155,86 @@ def test_a_bundle_torch_cannot_make_costs_only_the_next_start(tmp_path, monkeypa
         f"compile cache: not saved ({directory}: torch could not bundle it: cannot pickle 'CUDAGraph' object)"
     )
     assert list((directory / "mega").iterdir()) == []
+
+
+NEW_INPUTS = """
+import os, sys, torch
+from pathlib import Path
+from trainer.model import compile_cache
+
+if os.environ.get("LEAVE_TORCH_COUNTING"):  # torch names a new trace's globals as the loaded ones
+    compile_cache.number_after_loaded_names = lambda: None
+
+
+def step(x, weight=None):
+    return (x * 2 - 3).relu() + 1 if weight is None else x @ weight
+
+
+directory = Path(sys.argv[1])
+with compile_cache.persisted(directory, print):
+    compiled = compile_cache.keeping_traces(step, dynamic=False)
+    for size in map(int, sys.argv[2].split(",")):
+        x = torch.arange(size, dtype=torch.float32)
+        print("result", size, torch.equal(compiled(x), step(x)))
+    if os.environ.get("BAD_INPUT"):  # the traced code's own error: raised as it is, not compiled again
+        try:
+            compiled(torch.ones(3, 4), torch.ones(5, 2))
+        except Exception as exc:
+            print("raised", type(exc).__name__)
+"""
+
+
+def run_inputs(directory, sizes: str, env) -> str:
+    command = [sys.executable, "-c", NEW_INPUTS, str(directory), sizes]
+    run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+def test_a_warm_process_meeting_an_input_its_traces_lack_compiles_it_and_keeps_what_it_loaded(tmp_path):
+    """The first process keeps the traces of one shape; a fresh one loads them, meets that shape,
+    a new one and the first again: every answer is the uncompiled one, the loaded traces stay in
+    use, and an error of the traced code itself is raised as it is."""
+    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "elsewhere")}
+    directory = compile_cache.cache_directory(tmp_path / "compile")
+    assert "result 8 True" in run_inputs(directory, "8", env)
+    warm = run_inputs(directory, "8,16,8", {**env, "BAD_INPUT": "1"})
+    assert warm.count("True") == 3 and "result 16 True" in warm, warm
+    assert "1 compiled function(s) loaded with their traces, not traced again" in warm, warm
+    assert "raised TorchRuntimeError" in warm and "compiled afresh" not in warm, warm
+
+
+def test_loaded_traces_that_fail_torch_compile_on_a_new_input_give_way_to_a_fresh_compile_said_once(tmp_path):
+    """Where torch fails all the same to trace a new input beside loaded traces (here its own clash
+    of global names, the counter left where it starts), the call is compiled afresh without them:
+    the answers are the uncompiled ones, and the log names the function, the input and why."""
+    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "elsewhere")}
+    directory = compile_cache.cache_directory(tmp_path / "compile")
+    run_inputs(directory, "8", env)
+    warm = run_inputs(directory, "8,16,8,32", {**env, "LEAVE_TORCH_COUNTING": "1"})
+    assert warm.count("True") == 4, warm
+    said = "loaded traces that failed torch.compile on a new input, the function compiled afresh without them"
+    assert f"{said} (step on inputs 16: AssertionError: " in warm, warm
+    assert "already exists in scope" in warm or "step on inputs 16: AssertionError)" in warm, warm
+    assert warm.count("step on inputs") == 1, warm
+
+
+@pytest.mark.unit
+def test_only_the_compile_machinery_s_own_failures_give_way_to_a_fresh_compile():
+    from torch._dynamo.exc import TorchRuntimeError
+
+    def raised(exc, filename):  # exc raised by code that sits in `filename`
+        scope = {"exc": exc}
+        exec(compile("def fail():\n    raise exc\n", filename, "exec"), scope)
+        try:
+            scope["fail"]()
+        except BaseException as caught:
+            return caught
+        raise AssertionError("not raised")
+
+    elsewhere = str(REPO / "trainer" / "step.py")
+    torch_dynamo = compile_cache.COMPILER_PACKAGES[0] + "/utils.py"
+    assert compile_cache.compile_machinery_failed(raised(AssertionError("name in scope"), torch_dynamo))
+    assert not compile_cache.compile_machinery_failed(raised(ValueError("the traced code's"), elsewhere))
+    assert not compile_cache.compile_machinery_failed(raised(torch.OutOfMemoryError("cuda"), torch_dynamo))
+    assert not compile_cache.compile_machinery_failed(raised(TorchRuntimeError("shapes"), torch_dynamo))

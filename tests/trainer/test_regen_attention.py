@@ -130,3 +130,33 @@ def test_the_compiled_step_s_cuda_graph_gives_every_batch_of_its_shape_the_uncom
             assert torch.equal(compiled.decode(ids, mask, 24, -1), expected)
             graphs.append(compiled.steps.graph)
     assert all(graphs) and graphs[1] is graphs[0] and graphs[2] is not graphs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the step's kept traces on CUDA need a GPU; no GPU")
+def test_a_warm_process_meeting_a_shape_its_compile_cache_lacks_decodes_it_with_the_uncompiled_answers():
+    """The regeneration's decode step as a GPU compiles it (the whole step, flex attention, CUDA
+    graphs of our own): a cold process keeps the traces of one shape in a compile cache; a fresh
+    process over it meets that shape, a new one and the first again (the next data set, a resumed
+    regeneration): it loads what the cache holds, compiles what it lacks, and every batch gets the
+    uncompiled loop's answers."""
+    import re
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    result = subprocess.run(
+        [
+            sys.executable, "bench/decode_compile_bench.py", "--layers", "2", "--shapes", "2x128",
+            "--warm-shapes", "2x128,4x256,2x128", "--new-tokens", "8", "--attention", "flex_attention",
+            "--scopes", "step", "--dynamic", "static",
+        ],
+        cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = r"^step +static +(cold|warm) +(\dx\d+): first batch .* answers equal"
+    equal = re.findall(line, result.stdout, re.MULTILINE)
+    expected = [("cold", "2x128"), ("warm", "2x128"), ("warm", "4x256"), ("warm", "2x128")]
+    assert equal == expected, result.stdout
+    assert "1 compiled function(s) loaded with their traces" in result.stdout, result.stdout

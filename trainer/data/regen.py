@@ -90,10 +90,18 @@ class RegenSettings:
     # train.seq_len): training cuts every conversation to it, so a later turn would never be seen.
     # None: every turn.
     max_prompt_tokens: int | None = None
+    # The KV cache tokens a batch may hold on the device it decodes on, its free memory counting each
+    # batch's prefill too (memory_tokens); None: not sized to a device (a CPU).
+    memory_tokens: int | None = None
+
+    @property
+    def token_limit(self) -> int:
+        """The KV cache tokens a batch may hold: batch_tokens, or less where the device has less."""
+        return self.batch_tokens if self.memory_tokens is None else min(self.batch_tokens, self.memory_tokens)
 
     def key_fields(self) -> str:
-        # batch_size, batch_tokens, min_width, compile, compile_scope, compile_dynamic, attention,
-        # slots, page_size and prefill_chunk change how, not what (exactly so in float32).
+        # batch_size, batch_tokens, memory_tokens, min_width, compile, compile_scope, compile_dynamic,
+        # attention, slots, page_size and prefill_chunk change how, not what (exactly so in float32).
         fields = f"{REGEN_FORMAT}|{self.max_new_tokens}|{self.engine}|{self.shard_size}|{self.dtype}"
         return fields if self.max_prompt_tokens is None else f"{fields}|before {self.max_prompt_tokens}"
 
@@ -232,14 +240,101 @@ def bucket_width(longest: int, min_width: int) -> int:
 
 def rows_per_batch(width: int, settings: RegenSettings) -> int:
     """Prompts in one batch of this width: the largest power of two whose KV cache, rows x (width +
-    new tokens), fits in batch_tokens, at most batch_size, at least one. A decode step reads every
-    row's whole static cache, so long prompts go in smaller batches and a step costs about the
-    same at every width."""
+    new tokens), fits in batch_tokens (and in the device's memory: token_limit), at most
+    batch_size, at least one. A decode step reads every row's whole static cache, so long prompts go
+    in smaller batches and a step costs about the same at every width."""
     row_tokens = width + settings.max_new_tokens
     rows = 1
-    while rows * 2 <= settings.batch_size and rows * 2 * row_tokens <= settings.batch_tokens:
+    while rows * 2 <= settings.batch_size and rows * 2 * row_tokens <= settings.token_limit:
         rows *= 2
     return rows
+
+
+def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
+    """A static KV cache of rows x length tokens: keys and values of every layer's KV heads."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+    return rows * length * per_token * dtype.itemsize
+
+
+def prefill_peak_bytes(config, rows: int, width: int, dtype: torch.dtype) -> int:
+    """The most the uncompiled prefill of rows x width prompt tokens holds at once beside the
+    weights and the KV cache: prefill_token_bytes for every prompt token, and the last position's
+    logits (logits_to_keep=1: never a prompt's every position, 128 x 1,024 x a vocabulary of
+    151,936 being 40 GB in bf16)."""
+    return rows * width * prefill_token_bytes(config, dtype) + rows * logits_row_bytes(config)
+
+
+def prefill_token_bytes(config, dtype: torch.dtype) -> int:
+    """A prompt token's share of the prefill's peak: one decoder layer's activations (the layers
+    run one after the other, each freeing its own), the larger of its MLP's (gate, its activation
+    and up: three of intermediate size) and its attention's (queries, keys and values, and their
+    normed float32 copies), on top of the residual stream and a norm's float32 copies."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size, wide = dtype.itemsize, torch.float32.itemsize
+    projections = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    layer = max(3 * config.intermediate_size * size, projections * (2 * size + 2 * wide))
+    return layer + config.hidden_size * (4 * size + 2 * wide)
+
+
+def logits_row_bytes(config) -> int:
+    """A row's last-position logits and their float32 copy (the argmax reads them)."""
+    return config.vocab_size * 2 * torch.float32.itemsize
+
+
+GIB = 1 << 30
+# Held back from a device's free memory when its batches are sized: a share of it (the caching
+# allocator's rounding and fragmentation), and room for what the shapes do not tell (the compiled
+# step's buffers and CUDA graph, cuBLAS' and Triton's workspaces, the attention masks).
+MEMORY_MARGIN = 0.10
+MEMORY_RESERVE = 2 * GIB
+
+
+def usable_bytes(device: torch.device) -> int:
+    """What this process can still allocate on the CUDA device: the device's free memory and what
+    torch's caching allocator holds unused (the target's weights and everything live excluded)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def memory_tokens(config, dtype: torch.dtype, free_bytes: int, settings: RegenSettings, widest: int,
+                  device="the device") -> int:  # fmt: skip
+    """The KV cache tokens a batch may hold so that its cache and its prefill's peak fit in
+    free_bytes, less MEMORY_MARGIN and MEMORY_RESERVE: each cache token counted with a prompt
+    token's prefill share (a row's prompt is never longer than its cache), and every row of the
+    largest batch with its logits. Raises DataError, naming the figures and the way out, where not
+    even one prompt of `widest` tokens fits."""
+    per_token = kv_cache_bytes(config, 1, 1, dtype) + prefill_token_bytes(config, dtype)
+    held_back = (
+        int(free_bytes * MEMORY_MARGIN) + MEMORY_RESERVE + settings.batch_size * logits_row_bytes(config)
+    )
+    tokens = max(0, free_bytes - held_back) // per_token
+    one_row = widest + settings.max_new_tokens
+    if tokens < one_row:
+        kv = kv_cache_bytes(config, 1, one_row, dtype)
+        prefill = prefill_peak_bytes(config, 1, widest, dtype)
+        raise DataError(
+            f"{device} has {free_bytes / GIB:.1f} GiB free with the target loaded: too little to regenerate "
+            f"one prompt of {widest:,} tokens and {settings.max_new_tokens} new, which needs "
+            f"{(kv + prefill) / GIB:.2f} GiB (a KV cache of {kv / GIB:.2f} GiB, the prefill's peak "
+            f"{prefill / GIB:.2f} GiB) beside {held_back / GIB:.1f} GiB held back ({MEMORY_MARGIN:.0%} of "
+            f"the free memory, {MEMORY_RESERVE / GIB:.0f} GiB for the compiled step and workspaces, the "
+            f"logits of data.regen_batch_size {settings.batch_size} rows). Free the GPU of other processes "
+            "(nvidia-smi lists them), lower data.regen_batch_size or data.regen_max_new_tokens, or "
+            "regenerate on a card with more memory; the finished shards are kept"
+        )
+    return tokens
+
+
+def sized_to_device(target, device: torch.device, settings: RegenSettings, prompts) -> RegenSettings:
+    """The settings whose batches fit the CUDA device's free memory now (memory_tokens), counting
+    the KV cache and the prefill; data.regen_batch_tokens stays the cap. On a CPU: as they are."""
+    if device.type != "cuda" or not prompts:
+        return settings
+    widest = bucket_width(max(len(prompt) for prompt in prompts), settings.min_width)
+    dtype = next(target.parameters()).dtype
+    limit = memory_tokens(target.config, dtype, usable_bytes(device), settings, widest, device)
+    return dataclasses.replace(settings, memory_tokens=limit)
 
 
 def compiled_rows(rows: int, width: int, settings: RegenSettings) -> int:
@@ -311,7 +406,7 @@ def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> lis
     device = next(target.parameters()).device
     compiled = settings.compile and device.type == "cuda"
     attention = decode_attention(settings, compiled)
-    settings = widths_for(settings, attention)
+    settings = sized_to_device(target, device, widths_for(settings, attention), prompts)
     if settings.compile:
         decoder = StaticDecoder(target, compiled, settings.compile_scope, settings.compile_dynamic)
 
@@ -368,11 +463,12 @@ def decode_batches(prompts, settings, decode, device, pad_id, end_id, should_sto
 
 def out_of_memory(device, rows: int, width: int, settings: RegenSettings) -> str:
     cache = rows * (width + settings.max_new_tokens)
+    sized = "" if settings.memory_tokens is None else f", the device's free memory {settings.memory_tokens:,}"
     return (
         f"{device} ran out of memory decoding a batch of {rows} prompts of {width} tokens and "
         f"{settings.max_new_tokens} new (a KV cache of {cache:,} tokens; data.regen_batch_tokens is "
-        f"{settings.batch_tokens:,}, data.regen_batch_size {settings.batch_size}). Lower "
-        f"data.regen_batch_tokens (e.g. to {max(1, settings.batch_tokens // 2):,}) and run again: the "
+        f"{settings.batch_tokens:,}{sized}, data.regen_batch_size {settings.batch_size}). Lower "
+        f"data.regen_batch_tokens (e.g. to {max(1, settings.token_limit // 2):,}) and run again: the "
         "finished shards are kept"
     )
 

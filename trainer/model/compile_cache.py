@@ -18,12 +18,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import platform
 import re
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -121,7 +123,16 @@ def keeping_traces(fn: Callable, **options) -> Callable:
     precompile), so that a fresh process over the cache loads it instead of tracing fn again. For
     this function only: the process's other compiles (transformers' own flex attention, say) stay
     as torch makes them, as torch 2.11 cannot load some kept traces (flex attention's) and fails
-    where it tries. Where torch cannot load fn's own, fn is traced again (and the log says so)."""
+    where it tries. Where torch cannot load fn's own, fn is traced again (and the log says so).
+
+    A process that loaded traces and then meets an input they lack (a new batch shape) traces fn
+    again in module scopes that already hold the loaded traces' globals; torch names a new trace's
+    globals from a counter that starts at 0 in every process, as the loaded ones were named, and
+    fails on the clash (torch 2.11 and 2.13: "assert name not in scope"). So the counter is moved
+    past every loaded name; should the compile machinery fail all the same on a call with loaded
+    traces, fn is compiled afresh without them (fresh_compile) and the call made again, once, and
+    the log says which input and why. fn must give the same result when run again on the same
+    inputs (the decode step does: its KV cache writes land on the same slots)."""
     from torch._dynamo.utils import counters
 
     found = counters["dynamo_cache"]["dynamo_cache_hit"]
@@ -131,25 +142,116 @@ def keeping_traces(fn: Callable, **options) -> Callable:
         except Exception as exc:  # kept traces torch could not install (2.11 asserts on some): trace again
             refused.append(f"{type(exc).__name__}: {exc}")
             compiled = None
+    loaded = False
     if refused:
         TRACES_REFUSED.append(f"{fn.__qualname__}: {'; '.join(refused)}")
     elif counters["dynamo_cache"]["dynamo_cache_hit"] > found:
         TRACES_LOADED.append(fn.__qualname__)
+        loaded = True
+        number_after_loaded_names()
     if compiled is None:
         return torch.compile(fn, **options)
+    fresh: list[Callable] = []  # fn compiled without the loaded traces, once they failed
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        with torch._dynamo.config.patch(caching_precompile=True):  # what it compiles is kept
-            return compiled(*args, **kwargs)
+        if fresh:
+            return fresh[0](*args, **kwargs)
+        try:
+            with torch._dynamo.config.patch(caching_precompile=True):  # what it compiles is kept
+                return compiled(*args, **kwargs)
+        except Exception as exc:
+            if not loaded or not compile_machinery_failed(exc):
+                raise
+            why = f"{type(exc).__name__}: {first_line(exc)}".rstrip(": ")
+            TRACES_ABANDONED.append(f"{fn.__qualname__} on inputs {input_shapes(args)}: {why}")
+        number_after_loaded_names()
+        fresh.append(fresh_compile(fn, **options))
+        return fresh[0](*args, **kwargs)
 
     return call
+
+
+# Dynamo's own packages: an exception whose innermost frame is in one of them is the compile
+# machinery's failure, not the traced code's.
+COMPILER_PARTS = ("_dynamo", "_inductor", "_functorch", "fx", "_guards.py")
+COMPILER_PACKAGES = tuple(str(Path(torch.__file__).parent / name) for name in COMPILER_PARTS)
+# The names torch gives a trace's globals (unique_id: a prefix, a counter, at times a uuid).
+UUID_SUFFIX = r"_[0-9a-f]{8}_[0-9a-f]{4}_[0-9a-f]{4}_[0-9a-f]{4}_[0-9a-f]{12}"
+DYNAMO_GLOBAL_NAME = re.compile(rf"^__\w*?_(\d+)(?:{UUID_SUFFIX})?$")
+
+
+def compile_machinery_failed(exc: BaseException) -> bool:
+    """Whether exc comes from torch.compile itself (Dynamo, AOTAutograd, Inductor: raised in their
+    code), not from the traced code or the device: an operation of the traced code that fails
+    while traced (TorchRuntimeError), a misuse Dynamo names (UserError) and out of memory (the
+    caller names the batch to shrink) never count."""
+    from torch._dynamo.exc import TorchRuntimeError, UserError
+
+    if isinstance(exc, (torch.OutOfMemoryError, TorchRuntimeError, UserError)):
+        return False
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(COMPILER_PACKAGES)
+
+
+def number_after_loaded_names() -> None:
+    """Move torch's counter of generated global names past every such name a module holds (those
+    the loaded traces installed): a new trace then never names a global as a loaded one is named.
+    A torch without that counter is left alone (the fallback in keeping_traces covers it)."""
+    from torch._dynamo import bytecode_transformation
+
+    counter = getattr(bytecode_transformation, "_unique_id_counter", None)
+    if counter is None:
+        return
+    highest = -1
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict):
+            continue
+        for name in list(names):
+            if isinstance(name, str) and name.startswith("__") and (match := DYNAMO_GLOBAL_NAME.match(name)):
+                highest = max(highest, int(match[1]))
+    following = next(counter)
+    bytecode_transformation._unique_id_counter = itertools.count(max(following, highest + 1))
+
+
+def fresh_compile(fn: Callable, **options) -> Callable:
+    """fn compiled as if nothing had been loaded: a copy of its code object (Dynamo keeps a code
+    object's compiled entries on it, the loaded ones too) over a copy of its module's globals
+    without the names Dynamo installed there, compiled without kept traces."""
+    scope = {name: value for name, value in fn.__globals__.items() if not DYNAMO_GLOBAL_NAME.match(name)}
+    copy = types.FunctionType(fn.__code__.replace(), scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    return torch.compile(copy, **options)
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message for one log line: Dynamo's run over many lines."""
+    text = str(exc).strip().splitlines()
+    return text[0][:limit] if text else ""
+
+
+def input_shapes(args) -> str:
+    """The shapes of a call's tensor arguments (and of those in its dict arguments), for the log."""
+    shapes = []
+    for value in args:
+        for item in value.values() if isinstance(value, dict) else (value,):
+            shape = getattr(item, "shape", None)
+            if isinstance(shape, tuple) and all(isinstance(size, int) for size in shape):
+                shapes.append("x".join(map(str, shape)) or "scalar")
+    return ", ".join(shapes) or "without tensors"
 
 
 # The functions whose kept traces this process loaded, and those it found but torch could not load
 # (each traced again instead), with why.
 TRACES_LOADED: list[str] = []
 TRACES_REFUSED: list[str] = []
+# The calls whose loaded traces failed in the compile machinery, with why: each function compiled
+# afresh without them from then on.
+TRACES_ABANDONED: list[str] = []
 
 
 class _RefusedLoads(logging.Handler):
@@ -198,11 +300,17 @@ def refused_loads() -> Iterator[list[str]]:
         eval_frame_log.removeHandler(handler)
 
 
-def time_spent(elapsed: float, compiling: float, traces: int = 0, refused: list[str] | None = None) -> str:
+def time_spent(elapsed: float, compiling: float, traces: int = 0, refused: list[str] | None = None,
+               abandoned: list[str] | None = None) -> str:  # fmt: skip
     """How much of a block's time torch.compile took: what a warm cache saves is read off here."""
     loaded = f"; {traces} compiled function(s) loaded with their traces, not traced again" if traces else ""
     if refused:
         loaded += f"; kept traces torch could not load, traced again ({'; '.join(refused)})"
+    if abandoned:
+        loaded += (
+            "; loaded traces that failed torch.compile on a new input, the function compiled afresh "
+            f"without them ({'; '.join(abandoned)})"
+        )
     return (
         f"compile cache: {compiling:.1f} s of {elapsed:.1f} s in torch.compile (tracing, and compiling "
         f"or loading what the cache held); the rest ran the work{loaded}"
@@ -225,12 +333,13 @@ def persisted(directory: Path | None, log: Callable[[str], None]) -> Iterator[No
         yield
         return
     began, compiling = time.monotonic(), compile_seconds()
-    loaded, refused = len(TRACES_LOADED), len(TRACES_REFUSED)
+    loaded, refused, abandoned = len(TRACES_LOADED), len(TRACES_REFUSED), len(TRACES_ABANDONED)
     try:
         yield
     finally:
         spent = time.monotonic() - began, compile_seconds() - compiling
-        log(time_spent(*spent, len(TRACES_LOADED) - loaded, TRACES_REFUSED[refused:]))
+        traces = len(TRACES_LOADED) - loaded
+        log(time_spent(*spent, traces, TRACES_REFUSED[refused:], TRACES_ABANDONED[abandoned:]))
         try:
             with torch._dynamo.config.patch(caching_precompile=True):  # the kept traces saved too
                 save(directory)
