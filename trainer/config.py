@@ -1,8 +1,8 @@
 """Typed configuration of a training run: dataclasses, layered loading and validation.
 
 Layers, later wins: dataclass defaults (the embedded CPU run) -> run profile (``runs/<name>.yml``:
-the experiment: ``run``, ``compile``, ``train``, ``drafter``, and of ``data`` only what the recipe's
-answers are, PROFILE_DATA_KEYS) -> machine config (``--config``: the machine: ``model``, ``data``,
+the experiment: ``run``, ``compile``, ``train``, ``drafter``, and of ``data`` and ``model`` only
+what the recipe needs, PROFILE_KEYS) -> machine config (``--config``: the machine: ``model``, ``data``,
 ``parallel``) -> ``--set section.field=value`` -> ``--steps``/``--seed``.
 
 Every problem found is collected (not just the first), so ``--check`` can list them all.
@@ -567,10 +567,12 @@ def compile_guard(run: RunConfig, compile_cfg: CompileConfig) -> list[str]:
 
 
 # Which sections each layer may set: a profile is the experiment, a machine config the machine.
-PROFILE_SECTIONS = ("run", "compile", "train", "drafter", "data")
-# Of the data section, a profile sets only what is part of the recipe: how long a regenerated
-# answer may be (the recipe's answers are whole ones). The data itself and its cache are the machine's.
-PROFILE_DATA_KEYS = ("regen_max_new_tokens",)
+PROFILE_SECTIONS = ("run", "compile", "train", "drafter", "data", "model")
+# Of the data and model sections, a profile sets only what is part of the recipe: how long a
+# regenerated answer may be (the recipe's answers are whole ones) and the target's compute dtype (an
+# 8B target in float32 fills an 80 GB card before its first batch). The data, its cache and the
+# target itself are the machine's.
+PROFILE_KEYS = {"data": ("regen_max_new_tokens",), "model": ("dtype",)}
 MACHINE_SECTIONS = ("model", "data", "parallel", "log")
 SECTION_TYPES = {f.name: f.type for f in dataclasses.fields(Config)}
 
@@ -732,8 +734,7 @@ def load_config(
         raise ConfigError([f"unknown run {run!r}; known runs: {listing}"])
     values["run"]["name"] = run
     profile = _read_yaml(RUNS_DIR / f"{run}.yml", "run profile", problems)
-    profile_keys = {"data": PROFILE_DATA_KEYS}
-    _apply_layer(values, profile, f"run profile {run}", PROFILE_SECTIONS, problems, profile_keys)
+    _apply_layer(values, profile, f"run profile {run}", PROFILE_SECTIONS, problems, PROFILE_KEYS)
     if isinstance(profile, dict) and "name" in (profile.get("run") or {}):
         problems.append(f"run profile {run}: run.name is the file stem; remove it")
 

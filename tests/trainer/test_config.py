@@ -53,9 +53,10 @@ def test_every_shipped_profile_passes_check(run, tmp_path, sized_target):
 @pytest.mark.parametrize("run", PROFILES)
 def test_profile_holds_experiment_settings_only(run):
     data = yaml.safe_load((RUNS_DIR / f"{run}.yml").read_text())
-    assert set(data) <= {"run", "compile", "train", "drafter", "data"}
-    # Of data, only the recipe's answers: the data itself is the machine's.
+    assert set(data) <= {"run", "compile", "train", "drafter", "data", "model"}
+    # Of data and model, only the recipe's answers and dtype: the data and the target are the machine's.
     assert set(data.get("data", {})) <= {"regen_max_new_tokens"}
+    assert set(data.get("model", {})) <= {"dtype"}
     assert data["run"]["topology"] in ("threaded", "process")
     assert data["run"]["description"]
 
@@ -79,6 +80,30 @@ def test_the_recipe_regenerates_whole_answers_unless_the_machine_config_says_oth
     data = {"train_file": "/d", "regen_max_new_tokens": 512}
     machine.write_text(yaml.safe_dump({"model": {"target_path": "/t"}, "data": data}))
     assert load_config("qwen3-8b", str(machine)).data.regen_max_new_tokens == 512
+
+
+def test_the_recipe_s_target_computes_in_bfloat16_unless_the_machine_config_says_otherwise(tmp_path):
+    """A machine config that names only the target and the data gets bfloat16 (an 8B target in
+    float32 fills an 80 GB card before its first regeneration batch); its own dtype wins."""
+    machine = tmp_path / "machine.yml"
+    machine.write_text(yaml.safe_dump({"model": {"target_path": "/t"}, "data": {"train_file": "/d"}}))
+    assert load_config("qwen3-8b", str(machine)).model.dtype == "bfloat16"
+    assert load_config("nographs", str(machine)).model.dtype == "float32"  # the embedded run's default
+    machine.write_text(
+        yaml.safe_dump({"model": {"target_path": "/t", "dtype": "float32"}, "data": {"train_file": "/d"}})
+    )
+    assert load_config("qwen3-8b", str(machine)).model.dtype == "float32"
+
+
+def test_a_profile_naming_the_machine_s_target_is_refused_naming_the_key(tmp_path, monkeypatch):
+    monkeypatch.setattr("trainer.config.RUNS_DIR", tmp_path)
+    (tmp_path / "mine.yml").write_text("model: {target_path: /t, dtype: bfloat16}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config("mine")
+    assert refused.value.problems == [
+        "run profile mine: model.target_path: does not belong here (allowed of model: dtype); "
+        "set it in the machine config (--config) or with --set"
+    ]
 
 
 def test_a_profile_setting_the_machine_s_data_is_refused_naming_the_key(tmp_path, monkeypatch):
