@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None, began: float | None = None) -> int:
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         args.resume = True  # torchrun restarted the ranks after a crash (--max-restarts): resume
     from .run.environment import check_machine  # imports torch: after argparse so --help stays quick
-    from .run.torch_log import quiet_repeated_torch_warnings
+    from .model.torch_log import quiet_repeated_torch_warnings
 
     quiet_repeated_torch_warnings()
 

@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from .run.environment import check_machine
-    from .run.torch_log import quiet_repeated_torch_warnings
+    from .model.torch_log import quiet_repeated_torch_warnings
 
     quiet_repeated_torch_warnings()
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from trainer.run.torch_log import MARK, RepeatedWarnings, quiet_repeated_torch_warnings, torch_handlers
+from trainer.model.torch_log import MARK, RepeatedWarnings, quiet_repeated_torch_warnings, torch_handlers
 
 pytestmark = pytest.mark.unit
 

@@ -232,7 +232,7 @@ def die_with_parent() -> None:
 
 def worker_main() -> int:
     die_with_parent()
-    from ..run.torch_log import quiet_repeated_torch_warnings
+    from ..model.torch_log import quiet_repeated_torch_warnings
 
     quiet_repeated_torch_warnings()
     stop = threading.Event()
