@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None, began: float | None = None) -> int:
     args = parse_args(argv)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         args.resume = True  # torchrun restarted the ranks after a crash (--max-restarts): resume
-    from .run.environment import check_machine  # imports torch: after argparse so --help stays quick
     from .model.torch_log import quiet_repeated_torch_warnings
+    from .run.environment import check_machine  # imports torch: after argparse so --help stays quick
 
     quiet_repeated_torch_warnings()
 

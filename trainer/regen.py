@@ -29,8 +29,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from .run.environment import check_machine
     from .model.torch_log import quiet_repeated_torch_warnings
+    from .run.environment import check_machine
 
     quiet_repeated_torch_warnings()
 
