@@ -27,8 +27,8 @@ Rows:
               --page-size tokens (a pool of --batch-tokens), prompts prefilled --prefill-chunk tokens
               at a time between decode steps; timed twice (the first pass compiles its one decode
               shape), then its decode steps, prefill chunks, preemptions and the share of slot-steps
-              that decoded an answer token; one row per --paged-attention entry (auto: flex
-              attention over the pool in place when compiled on CUDA; sdpa: pages gathered)
+              that decoded an answer token; one row per --paged-attention entry (flex_attention:
+              flex attention over the pool in place; auto, sdpa: pages gathered)
   workers     the product's stage machinery (trainer/data/regen_worker.py): N worker processes on the
               one device, the prompts split N ways (prompt i to worker i mod N), each building the
               target and compiling over the compile cache, timed twice; one row per --workers entry

@@ -98,12 +98,13 @@ def paged_shard(regeneration, conversations, examples, target, progress, should_
 
 
 def engine_attention(settings, compiled: bool) -> str:
-    """How the decode step reads the pages (data.regen_attention): 'auto' is flex attention over the
-    pool in place when compiled on CUDA, the gathered pages with sdpa otherwise; 'flex_attention'
-    always the pool in place; 'sdpa' and 'eager' the gathered pages with that attention."""
-    if settings.attention == "flex_attention" or (settings.attention == "auto" and compiled):
-        return "flex"
-    return "gather"
+    """How the decode step reads the pages (data.regen_attention): 'flex_attention' is flex
+    attention over the pool in place; 'auto', 'sdpa' and 'eager' the gathered pages (with sdpa, or
+    the one named). Not flex for 'auto': compiled on torch 2.11 (one H100, 2026-12-06) Inductor
+    failed to lower the step's block mask ("'int' object has no attribute 'free_symbols'"), and a
+    run must not stop on its first step; `compiled` is kept for when it lowers."""
+    del compiled
+    return "flex" if settings.attention == "flex_attention" else "gather"
 
 
 def gathered_attention(target, settings) -> str | None:
