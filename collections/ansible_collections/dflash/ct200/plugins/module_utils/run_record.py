@@ -176,13 +176,12 @@ def own_record(out: Path | str, owners: tuple[int, ...]) -> dict | None:
     )
     if str(out) not in _SAID_REPAIRED:
         _SAID_REPAIRED.add(str(out))
-        with contextlib.suppress(OSError):
-            print(
+        with contextlib.suppress(OSError):  # the trainer's stderr is its log (a module's is never read)
+            sys.stderr.write(
                 f"run record: {record_path(out)} was damaged ({'; '.join(problems.values())}); "
-                "rewritten whole from what this process knows",
-                file=sys.stderr,
-                flush=True,
+                "rewritten whole from what this process knows\n"
             )
+            sys.stderr.flush()
     return repaired
 
 

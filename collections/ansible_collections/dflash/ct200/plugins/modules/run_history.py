@@ -15,7 +15,7 @@ description:
     last loss, best and last tau, tokens per second, the events - and, with O(points), the loss,
     tau and tokens/s series (evenly thinned to at most that many points), and from C(run.json) the
     run's stretches (from which step, how many workers, which topology, how many hosts) and its
-    newest start (C(record): run_id, state, exit_status, exit_reason, data_only, and C(trained),
+    newest start (C(record) with run_id, state, exit_status, exit_reason, data_only, and C(trained),
     whether metrics.jsonl holds a training row of that start, after the record's C(metrics_from)).
   - Changes nothing; a missing or half-written file is read as far as it goes.
 options:

@@ -303,8 +303,8 @@ exit_reason:
   returned: when the trainer has exited
 run_state:
   description:
-    - How the run ended, in the documented states (finished, stopped, failed, crashed): its run
-      record's, else as the exit status tells (unknown is C(crashed): killed).
+    - How the run ended, in the documented states (finished, stopped, failed, crashed), from its
+      run record, else from the exit status (an unknown one is C(crashed), the process killed).
   type: str
   returned: when the trainer has exited
 """

@@ -114,9 +114,9 @@ cmdline:
   returned: success
 run_state:
   description:
-    - How a trainer that ended during the start ended, in the documented states (its run record's:
-      failed, stopped, crashed, finished; else as the exit status the log tells: 1 C(crashed),
-      0 C(finished), otherwise C(failed), the start having failed).
+    - How a trainer that ended during the start ended, in the documented states (its run record's
+      state, one of failed, stopped, crashed, finished; else from the exit status the log tells, 1
+      C(crashed), 0 C(finished), otherwise C(failed), the start having failed).
   type: str
   returned: when the trainer ended during the start
 """
