@@ -129,7 +129,13 @@ def test_ctrl_c_during_the_wait_says_the_trainer_runs_and_the_ledger_keeps_it_ru
             "too late: it trains already"
         )
         os.killpg(playbook.pid, signal.SIGINT)  # what Ctrl-C in its terminal does
-        playbook.wait(timeout=120)
+        try:
+            playbook.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            # Ctrl-C landing inside one of Ansible's own worker processes can leave ansible-playbook
+            # waiting on it (seen once on a loaded machine): a user presses Ctrl-C again.
+            os.kill(playbook.pid, signal.SIGINT)
+            playbook.wait(timeout=60)
         said = output.read_text(errors="replace")
         assert f"  ct200: run nographs as PID {line['pid']}, log {line['log']}" in said, said[-3000:]
         assert "stop it with ./dev.sh stop" in said, said[-3000:]
