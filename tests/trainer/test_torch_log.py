@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import uuid
 
 import pytest
 
@@ -25,7 +26,9 @@ def test_a_repeated_torch_warning_is_shown_once_and_its_repeats_counted():
     stream = io.StringIO()
     previous = handler.setStream(stream)
     try:
-        guards = logging.getLogger("torch._dynamo.guards")
+        # A logger of this test's own under torch._dynamo (torch's handler sees it): the filter is
+        # process-wide, and an earlier test in this process may have logged torch's own guard warning.
+        guards = logging.getLogger(f"torch._dynamo.guards.test{uuid.uuid4().hex}")
         for number in range(715):
             guards.warning(GUARD, "CLOSURE_MATCH", f"L['fn'].__closure__[{number}]")
         guards.warning("another warning")
