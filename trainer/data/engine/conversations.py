@@ -97,13 +97,12 @@ def paged_shard(regeneration, conversations, examples, target, progress, should_
     return answers is not None
 
 
-def engine_attention(settings, compiled: bool) -> str:
+def engine_attention(settings) -> str:
     """How the decode step reads the pages (data.regen_attention): 'flex_attention' is flex
     attention over the pool in place; 'auto', 'sdpa' and 'eager' the gathered pages (with sdpa, or
     the one named). Not flex for 'auto': compiled on torch 2.11 (one H100, 2026-12-06) Inductor
     failed to lower the step's block mask ("'int' object has no attribute 'free_symbols'"), and a
-    run must not stop on its first step; `compiled` is kept for when it lowers."""
-    del compiled
+    run must not stop on its first step."""
     return "flex" if settings.attention == "flex_attention" else "gather"
 
 
@@ -120,5 +119,5 @@ def paged_settings(settings, max_tokens: int, compiled: bool) -> PagedSettings:
     return PagedSettings(
         slots=settings.slots, page_size=settings.page_size, pages=settings.batch_tokens // settings.page_size,
         max_tokens=max_tokens, chunk=settings.prefill_chunk, compile=compiled,
-        attention=engine_attention(settings, compiled),
+        attention=engine_attention(settings),
     )  # fmt: skip
