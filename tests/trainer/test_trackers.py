@@ -17,6 +17,7 @@ import sys
 import time
 import typing
 import urllib.request
+import weakref
 from pathlib import Path
 
 import pytest
@@ -203,12 +204,14 @@ def cuda_allocated() -> int:
 
 
 class Watching:
-    """A tracker that counts, when the run closes its trackers, the drafter replicas still alive
-    and the CUDA memory still allocated: the trainer gives them back before waiting for any tracker.
-    `training`: the most CUDA memory allocated at a metric row, for comparison."""
+    """A tracker that counts, when the run closes its trackers, the drafter replicas of this run
+    still alive and the CUDA memory still allocated: the trainer gives them back before waiting for
+    any tracker. `training`: the most CUDA memory allocated at a metric row, for comparison.
+    `replicas`: the run's replicas, weakly (replicas other tests of the process left are not its)."""
 
     name = "mlflow"
     seen: typing.ClassVar[list] = []
+    replicas: typing.ClassVar[weakref.WeakSet] = weakref.WeakSet()
     training = 0
 
     def __init__(self, out_dir, run_name):
@@ -224,20 +227,25 @@ class Watching:
         pass
 
     def end(self, outcome):
-        from trainer.parallel.replica import Replica
-
         gc.collect()
-        alive = sum(type(thing) is Replica for thing in gc.get_objects())
-        Watching.seen.append((outcome, alive, cuda_allocated()))
+        Watching.seen.append((outcome, len(Watching.replicas), cuda_allocated()))
 
 
 def released_at_the_end(tmp_path, cache_dir, monkeypatch, devices: str) -> list:
     from trainer.config import load_config
+    from trainer.parallel.replica import Replica
     from trainer.run import trackers
     from trainer.run.train import train
 
+    build = Replica.__init__
+
+    def build_and_watch(replica, *args, **kwargs):
+        build(replica, *args, **kwargs)
+        Watching.replicas.add(replica)
+
     monkeypatch.setitem(trackers.TRACKER_CLASSES, "mlflow", Watching)
-    Watching.seen, Watching.training = [], 0
+    monkeypatch.setattr(Replica, "__init__", build_and_watch)
+    Watching.seen, Watching.training, Watching.replicas = [], 0, weakref.WeakSet()
     machine = tmp_path / "machine.yml"
     machine.write_text(f"data:\n  cache_dir: {cache_dir}\nlog:\n  report_to: [mlflow]\n")
     overrides = [
