@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -398,6 +400,19 @@ def test_sharded_update_matches_the_unsharded_one(workers, grad_clip):
     finally:
         unsharded.close()
         sharded.close()
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_closed_topology_lets_its_replicas_go(shard):
+    topology = _tiny_topology(2, shard=shard, grad_clip=0.0)
+    try:
+        _train(topology, _batches(2, 2))
+    finally:
+        topology.close()
+    replicas = [weakref.ref(replica) for replica in topology.replicas]
+    del topology
+    gc.collect()
+    assert [replica() for replica in replicas] == [None, None]  # the models' memory can be given back
 
 
 def _checkpoint_into(source, destination, directory):

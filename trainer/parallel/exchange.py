@@ -165,6 +165,9 @@ class GradientExchange:
         self.gather_pending = [False] * count
         self.gather_events: list[object] = [None] * count
         self.failure: BaseException | None = None
+        # The gradient hooks refer to this exchange, and it to the replicas: torch keeps a hook where
+        # the garbage collector cannot see it, so close() removes them or the models outlive the run.
+        self.hook_handles: list = []
         self.thread = threading.Thread(target=self._run, name="gradient-exchange", daemon=True)
         self.thread.start()
 
@@ -195,7 +198,9 @@ class GradientExchange:
             param = params[index]
             start, end = self.layout.extent(position)
             param.grad = flat[start:end].view_as(param)
-            param.register_post_accumulate_grad_hook(self._hook(rank, self.bucket_of[index]))
+            self.hook_handles.append(
+                param.register_post_accumulate_grad_hook(self._hook(rank, self.bucket_of[index]))
+            )
         if self.shard:
             for owned, (lo, hi) in zip(self.owned_params[rank], self._owned_by(rank), strict=True):
                 owned.grad = flat[lo:hi]
@@ -293,6 +298,14 @@ class GradientExchange:
 
     def close(self) -> None:
         self.inbox.put(None)
+
+    def release(self, timeout_s: float = 5.0) -> None:
+        """Once the workers are done: wait for the exchange thread (bounded: it is a daemon) and
+        take the hooks off the replicas' parameters."""
+        self.thread.join(timeout_s)
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles.clear()
 
     # -- exchange thread ----------------------------------------------------------------------
 

@@ -232,3 +232,5 @@ class ThreadedTopology:
         for thread in self.threads:
             if thread.is_alive():
                 thread.join(max(0.0, deadline - time.monotonic()))
+        if self.exchange is not None and not any(thread.is_alive() for thread in self.threads):
+            self.exchange.release(max(0.0, deadline - time.monotonic()))
