@@ -369,8 +369,16 @@ def worker_rows(prompts, settings, workers: int, source: Source, device, compile
 
     jobs = [
         Importable(
-            str(device), str(compile_dir), source.shape, prompts[n::workers], settings, str(compile_dir),
-            passes, source.target_path, source.end_id, answer_lengths,
+            str(device),
+            str(compile_dir),
+            source.shape,
+            prompts[n::workers],
+            settings,
+            str(compile_dir),
+            passes,
+            source.target_path,
+            source.end_id,
+            answer_lengths,
         )
         for n in range(workers)
     ]
@@ -957,6 +965,22 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
                         print(f"    answers equal: {equal}/{len(prompts)}", flush=True)
 
 
+class PassProgress:
+    """A line every 30 s of a paged pass (a long pass otherwise shows nothing until it ends)."""
+
+    def __init__(self, engine, every_s: float = 30.0):
+        self.engine, self.every_s = engine, every_s
+        self.began = self.last = time.perf_counter()
+
+    def tick(self) -> bool:
+        now = time.perf_counter()
+        if now - self.last >= self.every_s:
+            self.last = now
+            print(f"      {now - self.began:.0f} s: {self.engine.decode_steps} decode steps, "
+                  f"{self.engine.prefill_chunks} prefill chunks so far", flush=True)  # fmt: skip
+        return False
+
+
 def paged_row(
     args, target, prompts, settings: RegenSettings, device, end_id: int, answer_lengths: dict | None = None
 ) -> None:
@@ -976,7 +1000,9 @@ def paged_row(
         answers: dict = {}
 
         def run(answers=answers):
-            answers.update(engine.generate(requests, new_tokens, end_id, answer_limit=answer_limit))
+            progress = PassProgress(engine)
+            answers.update(engine.generate(requests, new_tokens, end_id, answer_limit=answer_limit,
+                                           should_stop=progress.tick))  # fmt: skip
             return [answers[key] for key in range(len(prompts))]
 
         name = f"paged S{settings.slots} P{settings.page_size} {engine.settings.attention} pass {attempt}"

@@ -67,7 +67,7 @@ class LayerPages:
     then returns what the attention reads: each row's table of pages in order [rows, kv heads,
     table width x page size, head dim] (a slot's own pages, or a packed prefill's tables one after
     another), or, `whole_pool`, the whole pool as one row of keys [1, kv heads, pages x page size,
-    head dim], for flex attention to read each slot's pages in place (step.PagedMasks)."""
+    head dim], for flex attention to read each slot's pages in place (step.PoolMask)."""
 
     def __init__(self, kv: PagedKV, layer: int, table: torch.Tensor, where: torch.Tensor, whole_pool=False):
         self.kv, self.layer, self.table, self.where = kv, layer, table, where

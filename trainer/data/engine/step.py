@@ -80,43 +80,60 @@ def decode_step(target, pages: list[LayerPages], tokens: torch.Tensor, positions
     return greedy(target, paged_forward(target, pages, tokens, positions, seen)[:, -1])
 
 
-def flex_decode_step(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor):
+def flex_decode_step(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor, mask):
     """decode_step with flex attention reading each slot's pages where they lie in the pool: a
-    step reads the pages in use, not every slot's whole table, and copies none."""
-    mask = pool_block_mask(pages[0].kv, pages[0].table, positions)
+    step reads the pages in use, not every slot's whole table, and copies none. mask: the step's
+    PoolMask.block_mask, made outside the compiled step (on torch 2.11 Inductor could not lower a
+    block mask built inside it) and loaded in place before each step."""
     return greedy(target, paged_forward(target, pages, tokens, positions, mask)[:, -1])
 
 
-def pool_block_mask(kv: PagedKV, table: torch.Tensor, positions: torch.Tensor):
-    """The flex-attention block mask of a decode step over the whole pool: slot b visits the pages
-    of its table up to its position's, and sees in them the positions 0..p of its own sequence (a
-    page's owner and place in its table, taken from the tables). An idle slot sees nothing."""
-    from torch.nn.attention.flex_attention import BlockMask
+class PoolMask:
+    """The flex-attention block mask of the decode step over the whole pool, on buffers of its own
+    (a CUDA graph reads them at fixed addresses): slot b visits the pages of its table up to its
+    position's, and sees in them the positions 0..p of its own sequence (a page's owner and place
+    in its table, taken from the tables). An idle slot sees nothing."""
 
-    slots, width = table.shape
-    page_size, device = kv.page_size, table.device
-    in_use = torch.arange(width, device=device) <= positions // page_size  # [slots, width]
-    page = torch.where(in_use, table, 0).flatten()
-    owner = torch.full((kv.pages,), -1, dtype=torch.long, device=device)
-    owner.scatter_(0, page, torch.where(in_use, torch.arange(slots, device=device)[:, None], -1).flatten())
-    place = torch.zeros(kv.pages, dtype=torch.long, device=device)
-    place.scatter_(0, page, torch.arange(width, device=device).expand(slots, width).flatten())
-    owner[0] = -1  # the scratch page: every idle slot's, and no sequence's
-    last = positions[:, 0]
+    def __init__(self, kv: PagedKV, slots: int):
+        from torch.nn.attention.flex_attention import BlockMask
 
-    def own_positions(b, h, q, key):
-        key_page = key // page_size
-        return (owner[key_page] == b) & (place[key_page] * page_size + key % page_size <= last[b])
+        device, page_size = kv.decode_table.device, kv.page_size
+        self.kv = kv
+        self.owner = torch.full((kv.pages,), -1, dtype=torch.long, device=device)
+        self.place = torch.zeros(kv.pages, dtype=torch.long, device=device)
+        self.last = torch.zeros(slots, dtype=torch.long, device=device)
+        owner, place, last = self.owner, self.place, self.last
 
-    visited = (last // page_size + 1).to(torch.int32).view(slots, 1, 1)
-    order = torch.zeros(slots, 1, 1, kv.pages, dtype=torch.int32, device=device)
-    order[:, 0, 0, :width] = table.to(torch.int32)
-    options = {"compute_q_blocks": False} if COMPUTE_Q_BLOCKS_OPTIONAL else {}
-    # Query blocks of flex attention's usual size (a decode step has one): its decoding kernel takes
-    # key blocks as small as a page, not query blocks smaller than its own tile.
-    return BlockMask.from_kv_blocks(visited, order, BLOCK_SIZE=(FLEX_QUERY_BLOCK, page_size),
-                                    mask_mod=own_positions, seq_lengths=(1, kv.pages * page_size),
-                                    **options)  # fmt: skip
+        def own_positions(b, h, q, key):
+            key_page = key // page_size
+            return (owner[key_page] == b) & (place[key_page] * page_size + key % page_size <= last[b])
+
+        visited = torch.zeros(slots, 1, 1, dtype=torch.int32, device=device)
+        order = torch.zeros(slots, 1, 1, kv.pages, dtype=torch.int32, device=device)
+        options = {"compute_q_blocks": False} if COMPUTE_Q_BLOCKS_OPTIONAL else {}
+        # Query blocks of flex attention's usual size (a decode step has one): its decoding kernel
+        # takes key blocks as small as a page, not query blocks smaller than its own tile. The query
+        # blocks (only a backward reads them) are not kept up to date.
+        self.block_mask = BlockMask.from_kv_blocks(
+            visited, order, BLOCK_SIZE=(FLEX_QUERY_BLOCK, page_size), mask_mod=own_positions,
+            seq_lengths=(1, kv.pages * page_size), **options,
+        )  # fmt: skip
+
+    def load(self, table: torch.Tensor, positions: torch.Tensor) -> None:
+        """This step's tables [slots, width] and positions [slots, 1], into the buffers (on the device)."""
+        slots, width = table.shape
+        page_size, device = self.kv.page_size, table.device
+        in_use = torch.arange(width, device=device) <= positions // page_size  # [slots, width]
+        page = torch.where(in_use, table, 0).flatten()
+        self.owner.fill_(-1)
+        self.owner.scatter_(
+            0, page, torch.where(in_use, torch.arange(slots, device=device)[:, None], -1).flatten()
+        )
+        self.owner[0] = -1  # the scratch page: every idle slot's, and no sequence's
+        self.place.scatter_(0, page, torch.arange(width, device=device).expand(slots, width).flatten())
+        self.last.copy_(positions[:, 0])
+        self.block_mask.kv_num_blocks.copy_((positions // page_size + 1).view(slots, 1, 1))
+        self.block_mask.kv_indices[:, 0, 0, :width].copy_(table)
 
 
 def _compute_q_blocks_optional() -> bool:
@@ -163,6 +180,8 @@ class DecodeStep:
         self.following = torch.zeros(slots, dtype=torch.long, device=device)
         self.where = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.pages = layer_pages(kv, kv.decode_table, self.where, whole_pool)
+        # Reading the whole pool in place: the step takes the block mask too (flex_decode_step).
+        self.pool_mask = PoolMask(kv, slots) if whole_pool else None
         self.ran = False
         self.graph = None
 
@@ -174,9 +193,12 @@ class DecodeStep:
         self.positions.copy_(rows[:, 1:2])
         self.where.copy_(rows[:, 2:])
         self.kv.decode_table.copy_(table)
+        if self.pool_mask is not None:
+            self.pool_mask.load(self.kv.decode_table, self.positions)
 
     def run(self) -> None:
-        self.following.copy_(self.step(self.target, self.pages, self.tokens, self.positions))
+        mask = () if self.pool_mask is None else (self.pool_mask.block_mask,)
+        self.following.copy_(self.step(self.target, self.pages, self.tokens, self.positions, *mask))
 
     def next(self) -> torch.Tensor:
         """The next token of every slot [slots], in the step's own buffer."""
