@@ -1005,7 +1005,7 @@ def paged_row(
                                            should_stop=progress.tick))  # fmt: skip
             return [answers[key] for key in range(len(prompts))]
 
-        name = f"paged S{settings.slots} P{settings.page_size} {engine.settings.attention} pass {attempt}"
+        name = f"paged S{settings.slots} P{settings.page_size} {engine.attention} pass {attempt}"
         timed(name, device, run, prompts, limit, args.profile and attempt == 2)
         after = (engine.decode_steps, engine.prefill_chunks, engine.preemptions)
         steps, chunks, preempted = (now - then for now, then in zip(after, before, strict=True))

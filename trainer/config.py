@@ -365,7 +365,8 @@ class DataConfig:
     once a step; transformers' sdpa path copies it four times when a batch is padded: 2.1x the
     tokens/s on an H200, docs/PERFORMANCE.md), the target's own (sdpa) otherwise. Paged engine:
     'flex_attention' (and 'auto' when compiled on CUDA) reads each slot's pages in place in the
-    pool; 'sdpa' and 'eager' (and 'auto' otherwise) gather each slot's pages first."""
+    pool; 'sdpa' and 'eager' (and 'auto' otherwise) gather each slot's pages first. 'auto' whose
+    flex step fails to compile says so once and gathers."""
     regen_progress_every_s: float = 30.0
     """Seconds between progress lines (conversations and tokens done, tokens/s, ETA)."""
 

@@ -72,6 +72,38 @@ def test_every_answer_equals_greedy_generate_of_its_prompt_alone(tiny, prompts_a
     assert paged.prefill_chunks > len(prompts)  # chunked
 
 
+def test_a_flex_step_that_fails_is_said_once_and_the_engine_gathers_with_the_same_answers(
+    tiny, prompts_and_answers, monkeypatch
+):
+    """A flex step that fails (as Inductor failed to compile an earlier form of it): with
+    gather_if_flex_fails (data.regen_attention=auto) one line says so and every answer is still
+    greedy generate's; asked for flex by name, the failure stops the engine."""
+    from trainer.data.engine import engine as paged_engine
+
+    def failing(*args):
+        raise RuntimeError("LoweringException: cannot lower this block mask\n(the rest of a long report)")
+
+    monkeypatch.setitem(paged_engine.DECODE_STEPS, "flex", failing)
+    prompts, end_id, reference = prompts_and_answers
+    notices = []
+    settings = PagedSettings(slots=3, page_size=4, pages=26, max_tokens=80, chunk=8, attention="flex",
+                             gather_if_flex_fails=True)  # fmt: skip
+    paged = PagedEngine(tiny[0], settings, notice=notices.append)
+    assert paged.attention == "flex"
+    for _ in range(2):  # a second shard on the same engine tries nothing again
+        answers = paged.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+        assert [answers[i] for i in range(len(prompts))] == reference
+    assert paged.attention == "gather" and paged.preemptions > 0
+    assert notices == [
+        "paged engine: flex attention's decode step failed (RuntimeError: LoweringException: cannot lower "
+        "this block mask); the decode steps read gathered pages instead, more slowly "
+        "(data.regen_attention=sdpa skips this attempt)"
+    ]
+    named = PagedEngine(tiny[0], PagedSettings(**{**settings.__dict__, "gather_if_flex_fails": False}))
+    with pytest.raises(RuntimeError, match="cannot lower"):
+        named.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+
+
 def test_a_query_that_sees_past_its_own_positions_changes_the_answers(tiny, prompts_and_answers, monkeypatch):
     """The exactness test has teeth: with a mask that shows the rest of a sequence's last page (a
     reused page's old keys, a fresh page's zeros) the answers are no longer greedy generate's."""
@@ -350,3 +382,21 @@ def test_the_paged_settings_change_only_the_speed_so_a_resume_may_change_them():
     other = RegenSettings(engine="paged", slots=64, page_size=32, prefill_chunk=1024)
     assert some.key_fields() == other.key_fields() != RegenSettings(engine="static").key_fields()
     assert {"regen_slots", "regen_page_size", "regen_prefill_chunk"} <= SPEED_ONLY_DATA_KEYS
+
+
+@pytest.mark.parametrize(
+    ("attention", "compiled", "reads", "falls_back"),
+    [
+        ("auto", True, "flex", True),  # on CUDA: the pool in place, gathering if flex fails
+        ("auto", False, "gather", True),  # uncompiled flex would score every key of the pool
+        ("flex_attention", True, "flex", False),  # asked by name: a failure is the run's
+        ("flex_attention", False, "flex", False),
+        ("sdpa", True, "gather", False),
+        ("eager", True, "gather", False),
+    ],
+)
+def test_how_a_paged_step_reads_the_pages_follows_the_setting(attention, compiled, reads, falls_back):
+    from trainer.data.engine.conversations import paged_settings
+
+    settings = paged_settings(RegenSettings(engine="paged", attention=attention), 4096, compiled)
+    assert (settings.attention, settings.gather_if_flex_fails) == (reads, falls_back)

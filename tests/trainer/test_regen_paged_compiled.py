@@ -1,8 +1,8 @@
 """The paged engine's decode step compiled (one shape for a whole run, no graph break) gives the eager
-step's answers; flex attention over the pool in place gives greedy `generate`'s (eagerly on a CPU,
-where Inductor has no flex kernel for one query token); on a GPU, both ways compiled and replayed
-as a CUDA graph, plain greedy `generate`'s in float32. Slower than the unit lane: a compile of the
-embedded target's step takes 15-60 s on a CPU, flex attention runs eagerly 10-20 s."""
+step's answers; flex attention over the pool in place gives greedy `generate`'s, eagerly and
+compiled; on a GPU, both ways compiled and replayed as a CUDA graph, plain greedy `generate`'s in
+float32. Slower than the unit lane: a compile of the embedded target's step takes 15-60 s on a
+CPU, flex attention runs eagerly 10-20 s."""
 
 from __future__ import annotations
 
@@ -70,6 +70,27 @@ def test_flex_attention_over_the_pool_in_place_gives_greedy_generate_s_answers(e
     assert [answers[i] for i in range(len(prompts))] == reference
     assert engine.preemptions > 0
     assert target.config._attn_implementation == "sdpa"  # the target's own again
+
+
+def test_flex_attention_compiled_with_its_block_mask_made_outside_the_step_gives_greedy_generate_s_answers(
+    embedded,
+):
+    """The step takes its block mask as an input (made and loaded outside the compiled step): one
+    graph, no graph break, and the answers of greedy `generate`, preemptions included (Inductor's
+    CPU code here; the GPU's kernels in the CUDA-graph test below)."""
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(1)
+    target = load_target(embedded[0], "cpu", "float32")
+    prompts = prompts_of(embedded, ChatFormat(load_tokenizer(embedded[0])))
+    end_id, reference = end_token_and_answers(target, prompts)
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    engine = paged(target, compile=True, attention="flex")
+    answers = engine.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+    assert [answers[i] for i in range(len(prompts))] == reference
+    assert engine.preemptions > 0 and engine.attention == "flex"
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert sum(counters["graph_break"].values()) == breaks
 
 
 @pytest.mark.gpu

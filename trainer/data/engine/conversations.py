@@ -97,13 +97,16 @@ def paged_shard(regeneration, conversations, examples, target, progress, should_
     return answers is not None
 
 
-def engine_attention(settings) -> str:
+def engine_attention(settings, compiled: bool) -> str:
     """How the decode step reads the pages (data.regen_attention): 'flex_attention' is flex
-    attention over the pool in place; 'auto', 'sdpa' and 'eager' the gathered pages (with sdpa, or
-    the one named). Not flex for 'auto': compiled on torch 2.11 (one H100, 2026-12-06) Inductor
-    failed to lower the step's block mask ("'int' object has no attribute 'free_symbols'"), and a
-    run must not stop on its first step."""
-    return "flex" if settings.attention == "flex_attention" else "gather"
+    attention over the pool in place; 'sdpa' and 'eager' the gathered pages (with the one named).
+    'auto' is flex where the step is compiled (a GPU), and falls back to the gathered pages if it
+    fails to compile there; the gathered pages elsewhere (uncompiled, flex attention computes the
+    scores of every key of the pool). Flex reads the pages in use; gathering copies every slot's
+    whole table each step (at 8B, 256 slots of 4,096 tokens: some 4 GiB a layer a step)."""
+    if settings.attention == "flex_attention" or (settings.attention == "auto" and compiled):
+        return "flex"
+    return "gather"
 
 
 def gathered_attention(target, settings) -> str | None:
@@ -119,5 +122,6 @@ def paged_settings(settings, max_tokens: int, compiled: bool) -> PagedSettings:
     return PagedSettings(
         slots=settings.slots, page_size=settings.page_size, pages=settings.batch_tokens // settings.page_size,
         max_tokens=max_tokens, chunk=settings.prefill_chunk, compile=compiled,
-        attention=engine_attention(settings),
+        attention=engine_attention(settings, compiled),
+        gather_if_flex_fails=settings.attention == "auto",
     )  # fmt: skip

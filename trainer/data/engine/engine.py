@@ -8,6 +8,7 @@ held before."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -42,7 +43,8 @@ class PagedSettings:
     most prompt tokens prefilled in one iteration. compile: the decode step compiled (and, on a
     GPU, replayed as a CUDA graph). attention: how the decode step reads the pages, "gather" (each
     slot's whole table copied in order, read by the target's own sdpa or eager attention) or
-    "flex" (flex attention over the pool in place: only the pages in use, no copy)."""
+    "flex" (flex attention over the pool in place: only the pages in use, no copy).
+    gather_if_flex_fails: flex whose first step fails (its compile) says so once and gathers."""
 
     slots: int
     page_size: int
@@ -51,6 +53,7 @@ class PagedSettings:
     chunk: int
     compile: bool = False
     attention: str = "gather"
+    gather_if_flex_fails: bool = False
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
@@ -87,22 +90,59 @@ def compiled_decode_step(attention: str):
 
 
 class PagedEngine:
-    def __init__(self, target, settings: PagedSettings):
+    def __init__(self, target, settings: PagedSettings, notice: Callable[[str], None] | None = None):
         parameter = next(target.parameters())
         self.target, self.settings = target, settings
+        self.notice = notice or (lambda line: print(line, file=sys.stderr, flush=True))
         self.kv = PagedKV(target.config, settings.pages, settings.page_size, settings.slots,
                           settings.max_pages, parameter.device, parameter.dtype)  # fmt: skip
-        graphed = settings.compile and parameter.device.type == "cuda"
-        step = (
-            compiled_decode_step(settings.attention) if settings.compile else DECODE_STEPS[settings.attention]
-        )
-        flex = settings.attention == "flex"
-        self.steps = DecodeStep(step, target, self.kv, settings.slots, graphed, whole_pool=flex)
+        self.graphed = settings.compile and parameter.device.type == "cuda"
+        self.steps = self.decode_steps_with(settings.attention)
         self.iterations = self.decode_steps = self.prefill_chunks = self.preemptions = 0
         # The decode table on the host, each slot's row written again only when its sequence
         # (admission) or its page count changes; table_rows says what each row holds.
         self.host_table = torch.zeros(settings.slots, settings.max_pages, dtype=torch.long)
         self.table_rows: list = [None] * settings.slots
+
+    @property
+    def attention(self) -> str:
+        """How the decode steps read the pages now: the settings' own, or "gather" after a fall-back."""
+        return "flex" if self.steps.pool_mask is not None else "gather"
+
+    def decode_steps_with(self, attention: str) -> DecodeStep:
+        s = self.settings
+        step = compiled_decode_step(attention) if s.compile else DECODE_STEPS[attention]
+        return DecodeStep(step, self.target, self.kv, s.slots, self.graphed, whole_pool=attention == "flex")
+
+    def next_tokens(self) -> torch.Tensor:
+        """The decode step's next token of every slot. Flex attention's step may fail to compile
+        (Inductor on torch 2.11 could not lower an earlier form of it) or to be recorded as a CUDA
+        graph: with gather_if_flex_fails, such a failure is said once and the steps gather the pages
+        from then on (the step again from its inputs: the keys it may have written are the same)."""
+        if self.settled or not (self.settings.gather_if_flex_fails and self.attention == "flex"):
+            return self.steps.next()
+        try:
+            return self.steps.next()
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # any failure to compile or record: the gathered step does the same work
+            first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+            self.notice(
+                f"paged engine: flex attention's decode step failed ({type(exc).__name__}: {first_line}); "
+                "the decode steps read gathered pages instead, more slowly (data.regen_attention=sdpa "
+                "skips this attempt)"
+            )
+            failed = self.steps
+            self.steps = self.decode_steps_with("gather")
+            for name in ("tokens", "positions", "where"):
+                getattr(self.steps, name).copy_(getattr(failed, name))
+            del failed
+            return self.steps.next()
+
+    @property
+    def settled(self) -> bool:
+        """The decode step has compiled and, where it is graphed, been recorded as its CUDA graph."""
+        return self.steps.graph is not None if self.graphed else self.steps.ran
 
     @torch.no_grad()
     def generate(self, requests: Iterable[Request], max_new_tokens: int, end_id: int,
@@ -173,7 +213,7 @@ class PagedEngine:
                 self.host_table[slot] = 0  # the scratch page
         self.table_rows = rows
         self.steps.load(tokens, positions, where, self.host_table)
-        following = self.steps.next().tolist()
+        following = self.next_tokens().tolist()
         self.decode_steps += 1
         for sequence in decoding:
             sequence.computed += 1

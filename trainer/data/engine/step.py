@@ -199,6 +199,7 @@ class DecodeStep:
     def run(self) -> None:
         mask = () if self.pool_mask is None else (self.pool_mask.block_mask,)
         self.following.copy_(self.step(self.target, self.pages, self.tokens, self.positions, *mask))
+        self.ran = True
 
     def next(self) -> torch.Tensor:
         """The next token of every slot [slots], in the step's own buffer."""
@@ -209,10 +210,11 @@ class DecodeStep:
         elif not self.ran:
             self.first_run()
         else:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 self.run()
-            self.graph.replay()  # recording ran nothing: this is the step itself
+            graph.replay()  # recording ran nothing: this is the step itself
+            self.graph = graph  # only once recorded: a failed recording is not replayed
         return self.following
 
     def first_run(self) -> None:
@@ -223,4 +225,3 @@ class DecodeStep:
         with torch.cuda.stream(side):
             self.run()
         torch.cuda.current_stream(device).wait_stream(side)
-        self.ran = True
