@@ -61,6 +61,16 @@ def test_the_line_names_every_part_then_other_and_reads_back():
     assert set(ORDER) >= set(parts) - {"other"}
 
 
+def test_the_parts_as_printed_add_up_to_the_total_as_printed():
+    """Each part rounded alone would miss: ten parts of 0.34 s print 0.3 s each, 3.0 s of 3.4 s."""
+    seconds = {name: 0.34 for name in ORDER[:10]}
+    breakdown = {**seconds, "other": 0.0, "total": 3.4}
+    total, _, parts = parts_of(describe(breakdown, resumed=False))
+    assert total == 3.4
+    assert round(sum(parts.values()) * 10) == 34
+    assert all(abs(parts[name] - value) < 0.1 for name, value in breakdown.items() if name != "total")
+
+
 def test_the_run_record_keeps_the_breakdown(tmp_path):
     runrecord.write_record(tmp_path, {"pid": os.getpid(), "state": "running"})
     lines: list[str] = []

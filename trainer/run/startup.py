@@ -9,6 +9,7 @@ the run record (`startup`), where scripts read it.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 
@@ -59,7 +60,21 @@ class StartupClock:
 
 
 def describe(breakdown: dict[str, float], resumed: bool) -> str:
-    """One log line: `startup: 86.4 s from the trainer's start to the first step: target load 20.1 s, ...`."""
+    """One log line: `startup: 86.4 s from the trainer's start to the first step: target load 20.1 s, ...`;
+    the parts as printed add up to the total as printed."""
     what = "a resume" if resumed else "a start"
-    parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in breakdown.items() if name != "total")
-    return f"startup: {breakdown['total']:.1f} s from the trainer's start to the first step ({what}): {parts}"
+    total = round(breakdown["total"] * 10)
+    tenths = in_tenths({name: seconds for name, seconds in breakdown.items() if name != "total"}, total)
+    parts = ", ".join(f"{name} {count / 10:.1f} s" for name, count in tenths.items())
+    return f"startup: {total / 10:.1f} s from the trainer's start to the first step ({what}): {parts}"
+
+
+def in_tenths(seconds: dict[str, float], total: int) -> dict[str, int]:
+    """Each part in tenths of a second, summing to `total` tenths: rounded down, and the tenths left
+    over given to the parts with the largest remainders (rounding each part alone could miss the
+    total by half a tenth a part)."""
+    counts = {name: math.floor(value * 10) for name, value in seconds.items()}
+    by_remainder = sorted(seconds, key=lambda name: seconds[name] * 10 - counts[name], reverse=True)
+    for name in by_remainder[: max(0, total - sum(counts.values()))]:
+        counts[name] += 1
+    return counts
