@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,14 +32,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.config import FLEX_MIN_LEN, DataConfig
 from trainer.data.chat import ChatFormat, prompt_ids, tokenize_stream
 from trainer.data.decode import STOP_CHECK_EVERY
+from trainer.data.engine.conversations import longest_sequence, slot_tokens
+from trainer.data.engine.scheduler import Scheduler, Sequence
 from trainer.data.regen import DataIndex, RegenSettings, compiled_rows, static_batches, turns_seen_in_training
 from trainer.model.target import load_tokenizer
 
 
-def shard_prompts(examples, chat, new_tokens: int, limit: int | None, lengths: list | None = None):
+def shard_prompts(examples, chat, new_tokens: int, limit: int | None, lengths: list | None = None,
+                  owners: list | None = None):  # fmt: skip
     """Each round's prompts (turn by turn), answers cut to new_tokens; turns past limit left out as
     the product leaves them out (turns_seen_in_training). Returns (rounds, turns left out); each
-    round's answer lengths in the file (cut to new_tokens) are appended to `lengths` if given."""
+    round's answer lengths in the file (cut to new_tokens) are appended to `lengths` if given, and
+    the conversations the round's prompts belong to to `owners`."""
     header = len(chat.header("assistant"))
     answers = sum(role == "assistant" for example in examples for role, _ in example.turns)
     rounds = []
@@ -51,7 +56,117 @@ def shard_prompts(examples, chat, new_tokens: int, limit: int | None, lengths: l
         rounds.append(prompts)
         if lengths is not None:
             lengths.append([len(examples[i].turns[turn][1]) for i in todo])
+        if owners is not None:
+            owners.append(list(todo))
     return rounds, answers - sum(map(len, rounds))
+
+
+def conversation_turns(rounds, lengths, owners, conversations: int) -> list[list[tuple[int, int]]]:
+    """Each conversation's generated turns in order: (prompt tokens, answer tokens in the file)."""
+    turns: list[list[tuple[int, int]]] = [[] for _ in range(conversations)]
+    for prompts, answer_lengths, who in zip(rounds, lengths, owners, strict=True):
+        for prompt, answer, i in zip(prompts, answer_lengths, who, strict=True):
+            turns[i].append((len(prompt), answer))
+    return turns
+
+
+@dataclass
+class PagedLayout:
+    """What the paged engine's loop does over some conversations, in token counts."""
+
+    iterations: int = 0
+    decode_steps: int = 0
+    slot_steps: int = 0  # decode steps x slots
+    decoding: int = 0  # slot-steps that decode an answer token
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0
+    answer_tokens: int = 0
+    preemptions: int = 0
+
+    def add(self, other: PagedLayout) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+LayoutShard = tuple[list[list[tuple[int, int]]], int]  # each conversation's turns, the longest sequence
+
+
+def paged_layout(shards: list[LayoutShard], new_tokens: int, slots: int, chunk: int, page_size: int,
+                 pages: int) -> PagedLayout:  # fmt: skip
+    """The paged stage's stream (conversations.paged_shards: PagedEngine.run fed shard after shard)
+    over shards of (each conversation's turns, the shard's longest sequence), each answer ending
+    where the file's does (its end token the last of it, or cut at new_tokens), without a model:
+    the scheduler is the product's, each decode step gives every decoding slot one token, each
+    prefill chunk computes its tokens, a conversation's next turn is queued when its answer is
+    done, the next shard when no turn waits, and a shard needing longer slots waits for a drain."""
+    layout = PagedLayout()
+    following = 0
+    while following < len(shards):
+        following = one_engine(shards, following, layout, new_tokens, slots, chunk, page_size, pages)
+    return layout
+
+
+def one_engine(shards: list[LayoutShard], following: int, layout: PagedLayout, new_tokens: int, slots: int,
+               chunk: int, page_size: int, pages: int) -> int:  # fmt: skip
+    """paged_layout's engine from shard `following` until a shard needs longer slots or none is left;
+    its figures added to `layout`. Returns the next shard's index."""
+    max_tokens = slot_tokens(shards[following][1], page_size, pages)
+    scheduler = Scheduler(slots, pages, page_size, max_tokens // page_size, chunk)
+
+    def queue(key: tuple[int, int, int]) -> bool:
+        shard, conversation, turn = key
+        turns = shards[shard][0][conversation]
+        if turn >= len(turns):
+            return False
+        prompt, answer = turns[turn]
+        scheduler.add(Sequence(key, [0] * prompt, limit=min(new_tokens, answer + 1)))
+        return True
+
+    def begin(shard: int) -> int:
+        return sum(queue((shard, conversation, 0)) for conversation in range(len(shards[shard][0])))
+
+    begin(following)
+    following += 1
+    feeding = True
+    while True:
+        if feeding and not scheduler.waiting:
+            added = 0
+            while not added and following < len(shards) and shards[following][1] <= max_tokens:
+                added = begin(following)
+                following += 1
+            feeding = added > 0
+        if not scheduler.busy:
+            break
+        scheduler.admit()
+        scheduler.grow()
+        decoding = scheduler.decoding()
+        if decoding:
+            layout.decode_steps += 1
+            layout.slot_steps += slots
+            layout.decoding += len(decoding)
+            for sequence in decoding:
+                sequence.computed += 1
+                sequence.answer.append(0)
+        ended = [s for s in decoding if len(s.answer) == s.limit]
+        chunks = scheduler.next_chunk()
+        if chunks:
+            layout.prefill_chunks += 1
+            layout.prefill_tokens += sum(len(c.tokens) for c in chunks)
+        for c in chunks:
+            c.sequence.computed += len(c.tokens)
+            if c.last:
+                c.sequence.decoding = True
+                c.sequence.answer.append(0)
+                if len(c.sequence.answer) == c.sequence.limit:
+                    ended.append(c.sequence)
+        for sequence in ended:
+            scheduler.release(sequence)
+            layout.answer_tokens += len(sequence.answer)
+            shard, conversation, turn = sequence.key
+            queue((shard, conversation, turn + 1))
+        layout.iterations += 1
+    layout.preemptions += scheduler.preemptions
+    return following
 
 
 def steps_to_end(answer_lengths: list[int], new_tokens: int) -> int:
@@ -71,8 +186,13 @@ def main() -> int:
     parser.add_argument(
         "--batches", help="ROWS:TOKENS,...: batch sizes and KV budgets side by side (default: the product's)"
     )
+    parser.add_argument("--paged", help="SLOTS:CHUNK,...: the paged engine's scheduler at these settings")
     args = parser.parse_args()
     d = DataConfig()
+    settings_pairs = [pair for pair in (args.paged or "").split(",") if pair]
+    paged = {tuple(map(int, pair.split(":"))): PagedLayout() for pair in settings_pairs}
+    pool_pages = d.regen_batch_tokens // d.regen_page_size
+    paged_shards: list = []
     pairs = [tuple(map(int, pair.split(":"))) for pair in (args.batches or "").split(",") if pair]
     layouts = {
         (rows, tokens): RegenSettings(
@@ -96,7 +216,8 @@ def main() -> int:
         for limit, counts in figures.items():
             copies = [type(e)(list(e.turns)) for e in examples]
             lengths: list[list[int]] = []
-            rounds, dropped = shard_prompts(copies, chat, args.new_tokens, limit, lengths)
+            owners: list[list[int]] = []
+            rounds, dropped = shard_prompts(copies, chat, args.new_tokens, limit, lengths, owners)
             counts[0] += sum(map(len, rounds))
             counts[1] += dropped
             counts[2] += sum(len(p) for prompts in rounds for p in prompts)
@@ -111,6 +232,11 @@ def main() -> int:
                         figure[2] += steps
                         figure[3] += sum(answer_lengths[i] for i in chunk)
                         figure[4] += steps * rows
+            if limit == args.seq_len and paged:  # the product leaves the turns past the rows out
+                turns = conversation_turns(rounds, lengths, owners, len(examples))
+                paged_shards.append((turns, longest_sequence(examples, chat, args.new_tokens, limit)))
+    for (slots, chunk), layout in paged.items():  # one worker's stream over every shard
+        layout.add(paged_layout(paged_shards, args.new_tokens, slots, chunk, d.regen_page_size, pool_pages))
     print(f"read and laid out in {time.monotonic() - began:.0f} s")
     every, seen = figures[None], figures[args.seq_len]
     for limit, name in ((None, "every turn"), (args.seq_len, f"turns before {args.seq_len} tokens")):
@@ -123,6 +249,14 @@ def main() -> int:
                 f"{laid * args.new_tokens:>10,} decode steps, {len(shapes):>3} compiled shapes; answers "
                 f"ending as the file's: {steps:,} steps, {answered / max(1, row_steps):.0%} of row-steps used"
             )
+    for (slots, chunk), layout in paged.items():
+        print(
+            f"{'':>8}paged engine, {slots:>4} slots, prefill chunks of {chunk:>5}, {d.regen_batch_tokens:,} "
+            f"tokens of pages: {layout.iterations:,} iterations, {layout.decode_steps:,} decode steps, "
+            f"{layout.decoding / max(1, layout.slot_steps):.0%} of slot-steps used, "
+            f"{layout.prefill_tokens:,} prefill tokens in {layout.prefill_chunks:,} chunks, "
+            f"{layout.preemptions:,} preemptions"
+        )
     first = next(iter(layouts))
     steps_every, steps_seen = batches[None, first][0], batches[args.seq_len, first][0]
     print(

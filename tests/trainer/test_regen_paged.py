@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -102,6 +103,79 @@ def test_a_flex_step_that_fails_is_said_once_and_the_engine_gathers_with_the_sam
     named = PagedEngine(tiny[0], PagedSettings(**{**settings.__dict__, "gather_if_flex_fails": False}))
     with pytest.raises(RuntimeError, match="cannot lower"):
         named.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+
+
+def test_the_layout_bench_s_paged_engine_follows_the_engine_step_for_step(tiny):
+    """The layout bench's paged stream (token counts, no model) against the engine itself on the
+    tiny target, each answer ended at a given length, a second turn queued after the first and a
+    second shard fed when no turn waits: the same iterations, decode steps, prefill chunks and
+    preemptions, the pool small enough to preempt."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+    from regen_layout_bench import paged_layout
+
+    from trainer.data.engine.conversations import slot_tokens
+
+    new_tokens, extra, longest = 20, [5, 6, 7], 73  # a second turn: 25 + 20 + 3 prompt tokens, 20 new
+    prompts = [[(3 * i + j) % 50 + 1 for j in range(4 + 3 * i)] for i in range(8)]
+    answers = [[2 + (5 * i) % 19, 1 + (7 * i) % 25] for i in range(8)]  # in the file; 24 is cut at 20
+
+    def limit(key) -> int:
+        conversation, turn = key
+        return min(new_tokens, answers[conversation][turn] + 1)  # the answer, then its end token
+
+    done = {}
+
+    def follow_up(key, answer):
+        done[key] = answer
+        conversation, turn = key
+        return [((conversation, 1), prompts[conversation] + answer + extra)] if turn == 0 else []
+
+    settings = PagedSettings(slots=3, page_size=4, pages=26, max_tokens=slot_tokens(longest, 4, 26), chunk=8)
+    engine = PagedEngine(tiny[0], settings)
+    feeds = [[((i, 0), prompts[i]) for i in range(5, 8)]]  # the second shard
+    with torch.no_grad():
+        engine.generate([((i, 0), prompts[i]) for i in range(5)], new_tokens, end_id=-1, follow_up=follow_up,
+                        answer_limit=limit, more=lambda: feeds.pop() if feeds else [])  # fmt: skip
+    assert len(done) == 16
+    turns = [
+        [(len(p), a[0]), (len(p) + min(new_tokens, a[0] + 1) + len(extra), a[1])]
+        for p, a in zip(prompts, answers, strict=True)
+    ]
+    layout = paged_layout([(turns[:5], longest), (turns[5:], longest)], new_tokens, slots=3, chunk=8,
+                          page_size=4, pages=26)  # fmt: skip
+    assert engine.preemptions > 0
+    assert (layout.iterations, layout.decode_steps, layout.prefill_chunks, layout.preemptions) == (
+        engine.iterations, engine.decode_steps, engine.prefill_chunks, engine.preemptions,
+    )  # fmt: skip
+    assert layout.answer_tokens == sum(map(len, done.values()))
+
+
+def test_the_next_requests_are_fed_while_the_last_long_answer_still_decodes(tiny, prompts_and_answers):
+    """A stream of two shards: the second's requests come in (`more`) as soon as none of the first's
+    waits, so its answers are done before the first shard's long answer ends, in fewer decode steps
+    than the two shards one after the other; every answer still greedy generate's."""
+    prompts = prompts_and_answers[0]
+    first = [(i, prompts[i]) for i in range(4)]
+    second = [(i, prompts[i]) for i in range(4, 8)]
+    lengths = {0: NEW_TOKENS, 1: 2, 2: 2, 3: 2, 4: 3, 5: 3, 6: 3, 7: 3}  # one long answer, the rest short
+
+    def limit(key) -> int:
+        return lengths[key]
+
+    def run(requests, more=None):
+        done = []
+        paged = engine(tiny[0], chunk=64)  # prefills keep up: the decode steps are what is counted
+        paged.generate(requests, NEW_TOKENS, end_id=-1, answer_limit=limit, more=more,
+                       follow_up=lambda key, answer: done.append((key, answer)) or [])  # fmt: skip
+        return paged, done
+
+    feeds = [second]
+    streamed, done = run(first, more=lambda: feeds.pop() if feeds else [])
+    assert [key for key, _ in done].index(0) > max([key for key, _ in done].index(i) for i in range(4, 8))
+    apart = [run(first)[0].decode_steps, run(second)[0].decode_steps]
+    assert streamed.decode_steps < sum(apart)
+    free_running = {i: greedy(tiny[0], prompts[i], end_id=-1)[: lengths[i]] for i in range(8)}
+    assert dict(done) == free_running
 
 
 def test_a_query_that_sees_past_its_own_positions_changes_the_answers(tiny, prompts_and_answers, monkeypatch):
@@ -310,6 +384,9 @@ def test_a_paged_stage_writes_the_static_stage_s_shards_byte_for_byte(
     assert run_workers(regen, [tiny[0]], progress, lambda: False, lambda: None, 60.0)
     assert shard_bytes(regen) == static_shards and len(static_shards) == 6  # 3 shards, 3 seals
     assert progress.done == 10 and progress.tokens > 0
+    answers = [content for e in regen.examples() for role, content in e.turns if role == "assistant"]
+    cut = sum(len(answer) >= 12 for answer in answers)  # max_new_tokens: the cap decided their end
+    assert (progress.answers, progress.cut) == (len(answers), cut)  # the data line says how many hit the cap
     turns = [[role for role, _ in e.turns] for e in regen.examples()]
     assert turns[2] == turns[6] == [m["role"] for m in MULTI_TURN["messages"]]
 
@@ -321,7 +398,9 @@ def test_a_stopped_paged_stage_keeps_its_shards_and_the_next_start_finishes_them
     assert not run_workers(
         regen, [tiny[0]], Progress(10), lambda: len(regen.missing()) < 3, lambda: None, 60.0
     )
-    assert regen.missing() == [1, 2]
+    assert len(regen.missing()) == 2  # one shard done: the stream's shards end in any order
+    kept = shard_bytes(regen)
+    assert len(kept) == 2 and all(static_shards[name] == body for name, body in kept.items())
     again = stage(tmp_path, chat_data, tiny, "paged")
     assert run_workers(again, [tiny[0]], Progress(10), lambda: False, lambda: None, 60.0)
     assert shard_bytes(again) == static_shards

@@ -780,9 +780,16 @@ class Regeneration:
     def generate(self, worker: int, workers: int, target, progress: Progress,
                  should_stop: Callable[[], bool]) -> bool:  # fmt: skip
         """This worker's missing shards (i % workers == worker). False if a stop came."""
-        for shard in self.missing():
-            if shard % workers != worker:
-                continue
+        mine = [shard for shard in self.missing() if shard % workers == worker]
+        if self.settings.engine == "paged":  # one stream: the slots stay busy across the shards' ends
+
+            def write(start: int, end: int, rows: list[dict]) -> None:
+                self.write_shard(self.shard_path(start, end), rows)
+                progress.add(end - start, 0)
+
+            ranges = [self.ranges[shard] for shard in mine]
+            return self.regenerate_paged(ranges, target, progress, should_stop, write)
+        for shard in mine:
             start, end = self.ranges[shard]
             rows = self.regenerate_shard(start, end, target, progress, should_stop)
             if rows is None:
@@ -792,15 +799,14 @@ class Regeneration:
         return True
 
     def regenerate_shard(self, start, end, target, progress, should_stop) -> list[dict] | None:
+        if self.settings.engine == "paged":
+            kept: list[list[dict]] = []
+            finished = lambda start, end, rows: kept.append(rows)  # noqa: E731
+            done = self.regenerate_paged([(start, end)], target, progress, should_stop, finished)
+            return kept[0] if done else None
         conversations = self.index.read(start, end)
         with self.tokenizer_lock:
             examples = list(tokenize_stream((messages for _, messages in conversations), self.chat))
-        if self.settings.engine == "paged":
-            if not self.regenerate_paged(conversations, examples, target, progress, should_stop):
-                return None
-            return [
-                {"line": line, "turns": e.turns} for (line, _), e in zip(conversations, examples, strict=True)
-            ]
         generate = GENERATORS[self.settings.engine]
         header, limit = len(self.chat.header("assistant")), self.settings.max_prompt_tokens
         for turn in range(max(len(e.turns) for e in examples)):
@@ -826,15 +832,16 @@ class Regeneration:
             {"line": line, "turns": e.turns} for (line, _), e in zip(conversations, examples, strict=True)
         ]
 
-    def regenerate_paged(self, conversations, examples, target, progress, should_stop) -> bool:
-        """Every turn of the shard through the paged engine (trainer/data/engine/conversations.py)."""
-        from .engine.conversations import paged_shard
+    def regenerate_paged(self, ranges, target, progress, should_stop, finished) -> bool:
+        """Every turn of these shards through the paged engine, one stream
+        (trainer/data/engine/conversations.py); finished(start, end, rows) as each shard is done."""
+        from .engine.conversations import paged_shards
 
         device = next(target.parameters()).device
         compiled = self.settings.compile and device.type == "cuda"
         with torch.no_grad():
             try:
-                return paged_shard(self, conversations, examples, target, progress, should_stop, compiled)
+                return paged_shards(self, ranges, target, progress, should_stop, compiled, finished)
             except torch.OutOfMemoryError as exc:
                 raise DataError(paged_out_of_memory(device, self.settings)) from exc
 

@@ -1,15 +1,18 @@
-"""A shard's conversations through the paged engine: every conversation's first assistant turn is
-queued at once, and each later turn as soon as the answer before it is done (its prompt holds that
-answer), so a slot never waits for other conversations' turns. What a turn's prompt is, which turns
+"""Shards of conversations through the paged engine, as one stream: every conversation's first
+assistant turn is queued with its shard, each later turn as soon as the answer before it is done
+(its prompt holds that answer), and the next shard as soon as no turn waits, so a slot never waits
+for other conversations' turns nor for a shard's end. What a turn's prompt is, which turns
 are generated (those a training row can see) and the context check are the regeneration's own
 (trainer/data/regen.py): a shard's rows are the static engine's, byte for byte in float32."""
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from ...model.target import attention_of
-from ..chat import DataError, prompt_ids
+from ..chat import DataError, prompt_ids, tokenize_stream
 from .engine import PagedEngine, PagedSettings
 from .kv_pages import pages_for
 
@@ -56,45 +59,116 @@ def slot_tokens(longest: int, page_size: int, pool_pages: int) -> int:
     return max(needed, min(pages, pool_pages - 1)) * page_size
 
 
-def paged_shard(regeneration, conversations, examples, target, progress, should_stop, compiled: bool) -> bool:
-    """Fills every generated assistant turn of `examples` in place. False if a stop came."""
+@dataclass
+class ShardInFlight:
+    """A shard being regenerated: its conversations, their examples (filled in place as answers
+    arrive) and how many conversations still have a turn queued or decoding."""
+
+    start: int
+    end: int
+    conversations: list
+    examples: list
+    longest: int
+    open: int = 0
+
+
+def paged_shards(regeneration, ranges: Iterable[tuple[int, int]], target, progress, should_stop,
+                 compiled: bool, finished: Callable[[int, int, list[dict]], None]) -> bool:  # fmt: skip
+    """Every generated assistant turn of these shards (start, end) through one paged engine, as one
+    stream: the next shard's first turns are queued as soon as none waits, so the slots stay busy
+    across a shard's end (its longest answers) instead of idling until it is written. A shard is
+    handed to `finished(start, end, rows)` as soon as its last answer is in. A shard whose longest
+    conversation needs longer slots than the running engine's waits for it to drain, then gets an
+    engine of its own. False if a stop came (the shards finished so far are kept)."""
     from .. import regen
 
     settings, chat = regeneration.settings, regeneration.chat
     header = len(chat.header("assistant"))
+    pool_pages = settings.batch_tokens // settings.page_size
+    in_flight: dict[int, ShardInFlight] = {}
+    ranges = iter(ranges)
 
-    def next_turn(i: int, after: int) -> list:
-        turns = examples[i].turns
+    def load(start: int, end: int) -> ShardInFlight:
+        conversations = regeneration.index.read(start, end)
+        with regeneration.tokenizer_lock:
+            examples = list(tokenize_stream((messages for _, messages in conversations), chat))
+        longest = longest_sequence(examples, chat, settings.max_new_tokens, settings.max_prompt_tokens)
+        return ShardInFlight(start, end, conversations, examples, longest)
+
+    def next_turn(shard: ShardInFlight, i: int, after: int) -> list:
+        turns = shard.examples[i].turns
         turn = next((t for t in range(after + 1, len(turns)) if turns[t][0] == "assistant"), None)
         if turn is None:
             return []
         with regeneration.tokenizer_lock:
-            prompt = prompt_ids(examples[i], chat, turn)
-        limit = settings.max_prompt_tokens
-        kept, _ = regen.turns_seen_in_training(examples, [i], [prompt], turn, header, limit)
+            prompt = prompt_ids(shard.examples[i], chat, turn)
+        kept, _ = regen.turns_seen_in_training(shard.examples, [i], [prompt], turn, header,
+                                               settings.max_prompt_tokens)  # fmt: skip
         if not kept:
             return []
-        regeneration.check_context([conversations[i][0]], [prompt])
-        return [((i, turn), prompt)]
+        regeneration.check_context([shard.conversations[i][0]], [prompt])
+        return [((shard.start, i, turn), prompt)]
+
+    def conversation_done(shard: ShardInFlight) -> None:
+        shard.open -= 1
+        if shard.open == 0:
+            del in_flight[shard.start]
+            pairs = zip(shard.conversations, shard.examples, strict=True)
+            finished(shard.start, shard.end, [{"line": line, "turns": e.turns} for (line, _), e in pairs])
+
+    def begin(shard: ShardInFlight) -> list:
+        in_flight[shard.start] = shard
+        shard.open = len(shard.examples) + 1  # held open until every first turn is queued
+        requests = []
+        for i in range(len(shard.examples)):
+            first = next_turn(shard, i, -1)
+            requests += first
+            if not first:
+                conversation_done(shard)
+        conversation_done(shard)
+        return requests
 
     def answered(key, answer: list[int]) -> list:
-        i, turn = key
-        examples[i].turns[turn] = ("assistant", answer)
-        progress.add(0, len(answer))
-        return next_turn(i, turn)
+        start, i, turn = key
+        shard = in_flight[start]
+        shard.examples[i].turns[turn] = ("assistant", answer)
+        progress.add(0, len(answer), 1, int(len(answer) >= settings.max_new_tokens))
+        following = next_turn(shard, i, turn)
+        if not following:
+            conversation_done(shard)
+        return following
 
-    longest = longest_sequence(examples, chat, settings.max_new_tokens, settings.max_prompt_tokens)
-    try:
-        pool_pages = settings.batch_tokens // settings.page_size
-        max_tokens = slot_tokens(longest, settings.page_size, pool_pages)
-        engine_settings = paged_settings(settings, max_tokens, compiled)
-    except ValueError as exc:
-        raise DataError(f"{exc} (the shards finished so far are kept)") from None
-    engine = engine_for(target, engine_settings)
-    requests = [request for i in range(len(examples)) for request in next_turn(i, -1)]
-    with attention_of(target, gathered_attention(target, settings)):
-        answers = engine.generate(requests, settings.max_new_tokens, chat.end_id, answered, should_stop)
-    return answers is not None
+    following = next(ranges, None)
+    pending = load(*following) if following is not None else None
+    while pending is not None:
+        try:
+            max_tokens = slot_tokens(pending.longest, settings.page_size, pool_pages)
+            engine_settings = paged_settings(settings, max_tokens, compiled)
+        except ValueError as exc:
+            raise DataError(f"{exc} (the shards finished so far are kept)") from None
+        engine = engine_for(target, engine_settings)
+        first, pending = begin(pending), None
+
+        def more(slot_tokens=engine_settings.max_tokens) -> list:
+            """The next shard's first turns, loaded when no turn waits; nothing once a shard needs
+            longer slots (it waits for this engine to drain) or none is left."""
+            nonlocal pending
+            while (following := next(ranges, None)) is not None:
+                shard = load(*following)
+                if shard.longest > slot_tokens:
+                    pending = shard
+                    return []
+                requests = begin(shard)
+                if requests:
+                    return requests
+            return []
+
+        with attention_of(target, gathered_attention(target, settings)):
+            answers = engine.generate(first, settings.max_new_tokens, chat.end_id, answered, should_stop,
+                                      more=more)  # fmt: skip
+        if answers is None:
+            return False
+    return True
 
 
 def engine_attention(settings, compiled: bool) -> str:

@@ -148,10 +148,14 @@ class PagedEngine:
     def generate(self, requests: Iterable[Request], max_new_tokens: int, end_id: int,
                  follow_up: Callable[[object, list[int]], Iterable[Request]] | None = None,
                  should_stop: Callable[[], bool] = lambda: False,
-                 answer_limit: Callable[[object], int] | None = None) -> dict | None:  # fmt: skip
+                 answer_limit: Callable[[object], int] | None = None,
+                 more: Callable[[], list[Request]] | None = None) -> dict | None:  # fmt: skip
         """{key: answer without its end token} for every request and follow-up; None if a stop came
         (between iterations). answer_limit (a bench's, for targets that never say their end token):
-        a request's answer ends after that many tokens, if fewer than max_new_tokens."""
+        a request's answer ends after that many tokens, if fewer than max_new_tokens. more: called
+        whenever no request waits, for the next ones (a stream of shards keeps every slot busy
+        across their ends); its first empty answer ends the feeding. With `more` the answers are
+        handed to follow_up only (a stream's would not fit in memory): the dict is empty."""
 
         def limit(key) -> int:
             return min(max_new_tokens, answer_limit(key)) if answer_limit else max_new_tokens
@@ -159,16 +163,29 @@ class PagedEngine:
         if self.settings.attention == "flex":
             register_paged_attention()
             with attention_of(self.target, PAGED_ATTENTION):
-                return self.run(requests, max_new_tokens, end_id, follow_up, should_stop, limit)
-        return self.run(requests, max_new_tokens, end_id, follow_up, should_stop, limit)
+                return self.run(requests, max_new_tokens, end_id, follow_up, should_stop, limit, more)
+        return self.run(requests, max_new_tokens, end_id, follow_up, should_stop, limit, more)
 
-    def run(self, requests, max_new_tokens: int, end_id: int, follow_up, should_stop, limit) -> dict | None:
+    def run(self, requests, max_new_tokens: int, end_id: int, follow_up, should_stop, limit,
+            more=None) -> dict | None:  # fmt: skip
         s = self.settings
         scheduler = Scheduler(s.slots, s.pages, s.page_size, s.max_pages, s.chunk)
-        for key, prompt in requests:
-            scheduler.add(self.checked(key, prompt, max_new_tokens, limit(key)))
+
+        def add(new_requests: Iterable[Request]) -> int:
+            added = 0
+            for key, prompt in new_requests:
+                scheduler.add(self.checked(key, prompt, max_new_tokens, limit(key)))
+                added += 1
+            return added
+
+        add(requests)
         answers = {}
-        while scheduler.busy:
+        feeding = more is not None
+        while True:
+            if feeding and not scheduler.waiting:
+                feeding = add(more()) > 0
+            if not scheduler.busy:
+                break
             if should_stop():
                 return None
             scheduler.admit()
@@ -178,7 +195,8 @@ class PagedEngine:
             for sequence in ended:
                 scheduler.release(sequence)
                 answer = sequence.answer[:-1] if sequence.answer[-1] == end_id else sequence.answer
-                answers[sequence.key] = answer
+                if more is None:
+                    answers[sequence.key] = answer
                 for key, prompt in follow_up(sequence.key, answer) if follow_up else ():
                     scheduler.add(self.checked(key, prompt, max_new_tokens, limit(key)))
             self.iterations += 1
