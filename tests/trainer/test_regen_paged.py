@@ -5,6 +5,7 @@ refills a slot at once and preempts the newest sequence when the pages run out."
 
 from __future__ import annotations
 
+import errno
 import json
 import pathlib
 import sys
@@ -401,6 +402,36 @@ def test_a_stopped_paged_stage_keeps_its_shards_and_the_next_start_finishes_them
     assert len(regen.missing()) == 2  # one shard done: the stream's shards end in any order
     kept = shard_bytes(regen)
     assert len(kept) == 2 and all(static_shards[name] == body for name, body in kept.items())
+    again = stage(tmp_path, chat_data, tiny, "paged")
+    assert run_workers(again, [tiny[0]], Progress(10), lambda: False, lambda: None, 60.0)
+    assert shard_bytes(again) == static_shards
+
+
+def test_a_full_disk_in_the_stream_keeps_the_shards_written_and_the_next_start_finishes_them_the_same(
+    tmp_path, chat_data, tiny, static_shards, monkeypatch
+):
+    """The second shard the stream writes meets a full disk: the run stops with the disk-full error
+    (a shard is written from inside the engine's loop), the first stays, no partial file is left,
+    and the next start writes the static stage's shards."""
+    from trainer.data.regen import DiskFull
+
+    regen = stage(tmp_path, chat_data, tiny, "paged")
+    real_replace = pathlib.os.replace
+    shards_written = []
+
+    def disk_full_on_the_second_shard(source, destination):
+        if str(destination).endswith(".jsonl"):
+            shards_written.append(destination)
+            if len(shards_written) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device", str(source))
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(pathlib.os, "replace", disk_full_on_the_second_shard)
+    full = r"disk full writing .*shard-.*\.jsonl: No space left on device; [24] of 10 conversations"
+    with pytest.raises(DiskFull, match=full):
+        run_workers(regen, [tiny[0]], Progress(10), lambda: False, lambda: None, 60.0)
+    monkeypatch.setattr(pathlib.os, "replace", real_replace)
+    assert len(regen.missing()) == 2 and not list(regen.directory.glob(".*.tmp"))
     again = stage(tmp_path, chat_data, tiny, "paged")
     assert run_workers(again, [tiny[0]], Progress(10), lambda: False, lambda: None, 60.0)
     assert shard_bytes(again) == static_shards
