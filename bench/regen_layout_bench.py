@@ -187,6 +187,9 @@ def main() -> int:
         "--batches", help="ROWS:TOKENS,...: batch sizes and KV budgets side by side (default: the product's)"
     )
     parser.add_argument("--paged", help="SLOTS:CHUNK,...: the paged engine's scheduler at these settings")
+    parser.add_argument(
+        "--by-shard", action="store_true", help="--paged: also each shard alone, through an engine of its own"
+    )
     args = parser.parse_args()
     d = DataConfig()
     settings_pairs = [pair for pair in (args.paged or "").split(",") if pair]
@@ -235,8 +238,12 @@ def main() -> int:
             if limit == args.seq_len and paged:  # the product leaves the turns past the rows out
                 turns = conversation_turns(rounds, lengths, owners, len(examples))
                 paged_shards.append((turns, longest_sequence(examples, chat, args.new_tokens, limit)))
+    by_shard = {key: PagedLayout() for key in paged} if args.by_shard else {}
     for (slots, chunk), layout in paged.items():  # one worker's stream over every shard
         layout.add(paged_layout(paged_shards, args.new_tokens, slots, chunk, d.regen_page_size, pool_pages))
+        for shard in paged_shards if args.by_shard else []:
+            by_shard[slots, chunk].add(paged_layout([shard], args.new_tokens, slots, chunk, d.regen_page_size,
+                                                    pool_pages))  # fmt: skip
     print(f"read and laid out in {time.monotonic() - began:.0f} s")
     every, seen = figures[None], figures[args.seq_len]
     for limit, name in ((None, "every turn"), (args.seq_len, f"turns before {args.seq_len} tokens")):
@@ -249,10 +256,13 @@ def main() -> int:
                 f"{laid * args.new_tokens:>10,} decode steps, {len(shapes):>3} compiled shapes; answers "
                 f"ending as the file's: {steps:,} steps, {answered / max(1, row_steps):.0%} of row-steps used"
             )
-    for (slots, chunk), layout in paged.items():
+    rows = [(key, layout, "one stream") for key, layout in paged.items()]
+    rows += [(key, layout, "shard by shard") for key, layout in by_shard.items()]
+    for (slots, chunk), layout, how in rows:
         print(
-            f"{'':>8}paged engine, {slots:>4} slots, prefill chunks of {chunk:>5}, {d.regen_batch_tokens:,} "
-            f"tokens of pages: {layout.iterations:,} iterations, {layout.decode_steps:,} decode steps, "
+            f"{'':>8}paged engine {how}, {slots:>4} slots, prefill chunks of {chunk:>5}, "
+            f"{d.regen_batch_tokens:,} tokens of pages: {layout.iterations:,} iterations, "
+            f"{layout.decode_steps:,} decode steps, "
             f"{layout.decoding / max(1, layout.slot_steps):.0%} of slot-steps used, "
             f"{layout.prefill_tokens:,} prefill tokens in {layout.prefill_chunks:,} chunks, "
             f"{layout.preemptions:,} preemptions"

@@ -44,7 +44,7 @@ def test_the_layout_bench_counts_the_turns_past_the_rows(tmp_path: Path) -> None
     data.write_text(json.dumps({"messages": long_second_turn}) + "\n")
     out = run(
         "bench/regen_layout_bench.py", str(data), str(target), "--seq-len", "40", "--new-tokens", "64",
-        "--batches", "1:4096,2:4096",
+        "--batches", "1:4096,2:4096", "--paged", "2:16", "--by-shard",
     )  # fmt: skip
     assert "every turn: 2 turns generated (0 left out)" in out, out
     assert "turns before 40 tokens: 1 turns generated (1 left out)" in out, out
@@ -58,3 +58,7 @@ def test_the_layout_bench_counts_the_turns_past_the_rows(tmp_path: Path) -> None
     every = [("1", "2", "128", "1", "32"), ("2", "2", "128", "1", "32")]
     seen = [("1", "1", "64", "1", "16"), ("2", "1", "64", "1", "16")]
     assert re.findall(row, out) == every + seen, out
+    # The paged engine: the one turn a row sees, its answer of one token then the end token: the
+    # first from the prefill, the second from one decode step of 2 slots, one of them decoding.
+    paged = r"paged engine (one stream|shard by shard), +2 slots, .* iterations, (\d+) decode steps, (\d+)%"
+    assert re.findall(paged, out) == [("one stream", "1", "50"), ("shard by shard", "1", "50")], out
