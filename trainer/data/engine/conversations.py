@@ -20,7 +20,7 @@ _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def engine_for(target, settings: PagedSettings) -> PagedEngine:
-    """The target's engine at these settings, kept from shard to shard (its pages, compiled step and
+    """The target's engine at these settings, kept from stream to stream (its pages, compiled step and
     CUDA graph); at new settings the old one's memory is given back before the new one's is taken."""
     kept = _ENGINES.get(target)
     if kept is not None and kept.settings == settings:
