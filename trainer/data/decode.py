@@ -35,6 +35,7 @@ import contextlib
 import copy
 import inspect
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -137,6 +138,42 @@ class StaticDecoder:
         return out
 
 
+class RecordedStep:
+    """A step (`run`, in place on buffers of its own) replayed as a CUDA graph: the first call runs
+    it as it is (compiling it, or loading it from the compile cache), the second records it, every
+    later call replays the recording: one launch a step, and no Python, guard or CUDA Graph Tree
+    check between steps. Not graphed: every call runs it."""
+
+    def __init__(self, run: Callable[[], None], graphed: bool):
+        self.run, self.graphed = run, graphed
+        self.ran = False
+        self.graph = None
+
+    def __call__(self, device: torch.device) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        elif not self.graphed:
+            self.run()
+        elif not self.ran:
+            self.first_run(device)
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.run()
+            graph.replay()  # recording ran nothing: this is the step itself
+            self.graph = graph  # only once recorded: a failed recording is not replayed
+        self.ran = True
+
+    def first_run(self, device: torch.device) -> None:
+        # On a side stream, as recording wants: what the libraries set up on a first call (cuBLAS'
+        # workspace, Triton's kernels loaded) is then done outside the recording.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self.run()
+        torch.cuda.current_stream(device).wait_stream(side)
+
+
 class DecodeSteps:
     """The decode steps of one batch shape, on input buffers of their own: each step reads the last
     token and the positions from them and writes the next token and positions back, and moves the
@@ -148,9 +185,7 @@ class DecodeSteps:
     def __init__(self, step, model, cache_name: str, cache: dict, masks, graphed: bool):
         self.step, self.model, self.masks = step, model, masks
         self.cache, self.cache_arguments = cache[cache_name], cache
-        self.graphed = graphed
-        self.ran = False
-        self.graph = None
+        self.recorded = RecordedStep(self.run, graphed)
         self.tokens = self.positions = None
 
     def start(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
@@ -169,29 +204,12 @@ class DecodeSteps:
 
     def next(self) -> torch.Tensor:
         """The next token of every row: [rows], in the steps' own buffer (read before the next)."""
-        if self.graph is not None:
-            self.graph.replay()
-        elif not self.graphed:
-            self.run()
-        elif not self.ran:
-            self.first_run()
-        else:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.run()
-            self.graph.replay()  # recording ran nothing: this is the step itself
+        self.recorded(self.tokens.device)
         return self.tokens[:, 0]
 
-    def first_run(self) -> None:
-        # On a side stream, as recording wants: what the libraries set up on a first call (cuBLAS'
-        # workspace, Triton's kernels loaded) is then done outside the recording.
-        device = self.tokens.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            self.run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.ran = True
+    @property
+    def graph(self):
+        return self.recorded.graph
 
 
 class PlainMask:

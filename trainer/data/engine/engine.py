@@ -142,7 +142,8 @@ class PagedEngine:
     @property
     def settled(self) -> bool:
         """The decode step has compiled and, where it is graphed, been recorded as its CUDA graph."""
-        return self.steps.graph is not None if self.graphed else self.steps.ran
+        recorded = self.steps.recorded
+        return recorded.graph is not None if self.graphed else recorded.ran
 
     @torch.no_grad()
     def generate(self, requests: Iterable[Request], max_new_tokens: int, end_id: int,

@@ -14,7 +14,7 @@ import inspect
 
 import torch
 
-from ..decode import cache_keyword
+from ..decode import RecordedStep, cache_keyword
 from .kv_pages import LayerPages, PagedKV
 
 # The attention the decode step reads the pool through in place (flex attention): registered with
@@ -174,7 +174,7 @@ class DecodeStep:
 
     def __init__(self, step, target, kv: PagedKV, slots: int, graphed: bool, whole_pool: bool = False):
         device = kv.decode_table.device
-        self.step, self.target, self.kv, self.graphed = step, target, kv, graphed
+        self.step, self.target, self.kv = step, target, kv
         self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.following = torch.zeros(slots, dtype=torch.long, device=device)
@@ -182,8 +182,7 @@ class DecodeStep:
         self.pages = layer_pages(kv, kv.decode_table, self.where, whole_pool)
         # Reading the whole pool in place: the step takes the block mask too (flex_decode_step).
         self.pool_mask = PoolMask(kv, slots) if whole_pool else None
-        self.ran = False
-        self.graph = None
+        self.recorded = RecordedStep(self.run, graphed)
 
     def load(self, tokens: list[int], positions: list[int], where: list[int], table: torch.Tensor) -> None:
         """The slots' last tokens, their positions, where their keys go (page x page size + offset)
@@ -199,29 +198,12 @@ class DecodeStep:
     def run(self) -> None:
         mask = () if self.pool_mask is None else (self.pool_mask.block_mask,)
         self.following.copy_(self.step(self.target, self.pages, self.tokens, self.positions, *mask))
-        self.ran = True
 
     def next(self) -> torch.Tensor:
         """The next token of every slot [slots], in the step's own buffer."""
-        if self.graph is not None:
-            self.graph.replay()
-        elif not self.graphed:
-            self.run()
-        elif not self.ran:
-            self.first_run()
-        else:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.run()
-            graph.replay()  # recording ran nothing: this is the step itself
-            self.graph = graph  # only once recorded: a failed recording is not replayed
+        self.recorded(self.tokens.device)
         return self.following
 
-    def first_run(self) -> None:
-        # On a side stream, as recording wants: the libraries' first-call setup happens outside it.
-        device = self.tokens.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            self.run()
-        torch.cuda.current_stream(device).wait_stream(side)
+    @property
+    def graph(self):
+        return self.recorded.graph
