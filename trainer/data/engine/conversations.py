@@ -149,13 +149,13 @@ def paged_shards(regeneration, ranges: Iterable[tuple[int, int]], target, progre
         engine = engine_for(target, engine_settings)
         first, pending = begin(pending), None
 
-        def more(slot_tokens=engine_settings.max_tokens) -> list:
+        def more(longest_fitting=engine_settings.max_tokens) -> list:
             """The next shard's first turns, loaded when no turn waits; nothing once a shard needs
             longer slots (it waits for this engine to drain) or none is left."""
             nonlocal pending
             while (following := next(ranges, None)) is not None:
                 shard = load(*following)
-                if shard.longest > slot_tokens:
+                if shard.longest > longest_fitting:
                     pending = shard
                     return []
                 requests = begin(shard)

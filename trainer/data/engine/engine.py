@@ -198,8 +198,7 @@ class PagedEngine:
                 answer = sequence.answer[:-1] if sequence.answer[-1] == end_id else sequence.answer
                 if more is None:
                     answers[sequence.key] = answer
-                for key, prompt in follow_up(sequence.key, answer) if follow_up else ():
-                    scheduler.add(self.checked(key, prompt, max_new_tokens, limit(key)))
+                add(follow_up(sequence.key, answer) if follow_up else ())
             self.iterations += 1
         self.preemptions += scheduler.preemptions
         return answers
