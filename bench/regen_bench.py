@@ -26,7 +26,8 @@ Rows:
               decoded at once, a slot refilled as soon as its answer ends, the KV cache in pages of
               --page-size tokens (a pool of --batch-tokens), prompts prefilled --prefill-chunk tokens
               at a time between decode steps; timed twice (the first pass compiles its one decode
-              shape), then its decode steps, prefill chunks, preemptions and the share of slot-steps
+              shape; --paged-warm-up N: over the first N prompts only), then its decode steps,
+              prefill chunks, preemptions and the share of slot-steps
               that decoded an answer token; one row per --paged-attention entry (flex_attention:
               flex attention over the pool in place; auto, sdpa: pages gathered)
   workers     the product's stage machinery (trainer/data/regen_worker.py): N worker processes on the
@@ -719,6 +720,11 @@ def parse_args() -> argparse.Namespace:
     )
     chunk = DataConfig.regen_prefill_chunk
     parser.add_argument("--prefill-chunk", type=int, default=chunk, help="paged: data.regen_prefill_chunk")
+    parser.add_argument(
+        "--paged-warm-up", type=int, default=0,
+        help="paged: the first pass (which compiles the one decode shape) over the first N prompts only "
+        "(0: all); the second pass runs them all",
+    )  # fmt: skip
     parser.add_argument("--workers", default="2", help="workers row: worker processes, a comma list")
     parser.add_argument("--warm", action="store_true", help="then a fresh process over the compile cache")
     parser.add_argument(
@@ -993,20 +999,23 @@ def paged_row(
     engine = PagedEngine(target, paged_settings(settings, slot, settings.compile and device.type == "cuda"))
     new_tokens = settings.max_new_tokens
     limit = memory_bound_tokens_per_s(target, prompts, new_tokens, settings.slots, args.bandwidth_tbs)
-    requests = list(enumerate(prompts))
-    for attempt in (1, 2):  # the first pass compiles the decode step
+    for attempt in (1, 2):  # the first pass compiles the decode step (its one shape)
+        # --paged-warm-up N: the first pass over the first N prompts only, enough to compile
+        warm_up = attempt == 1 and args.paged_warm_up > 0
+        count = min(args.paged_warm_up, len(prompts)) if warm_up else len(prompts)
+        requests = list(enumerate(prompts[:count]))
         before = (engine.decode_steps, engine.prefill_chunks, engine.preemptions)
         graphs = counters["stats"]["unique_graphs"]
         answers: dict = {}
 
-        def run(answers=answers):
+        def run(answers=answers, requests=requests):
             progress = PassProgress(engine)
             answers.update(engine.generate(requests, new_tokens, end_id, answer_limit=answer_limit,
                                            should_stop=progress.tick))  # fmt: skip
-            return [answers[key] for key in range(len(prompts))]
+            return [answers[key] for key, _ in requests]
 
         name = f"paged S{settings.slots} P{settings.page_size} {engine.attention} pass {attempt}"
-        timed(name, device, run, prompts, limit, args.profile and attempt == 2)
+        timed(name, device, run, prompts[:count], limit, args.profile and attempt == 2)
         after = (engine.decode_steps, engine.prefill_chunks, engine.preemptions)
         steps, chunks, preempted = (now - then for now, then in zip(after, before, strict=True))
         # each answer's first token comes from its last prefill chunk, the others from decode steps
@@ -1018,8 +1027,8 @@ def paged_row(
             flush=True,
         )
         if answer_lengths:
-            ordered = [answers[key] for key in range(len(prompts))]
-            print(f"    {ended_line(prompts, ordered, answer_lengths, new_tokens)}", flush=True)
+            ordered = [answers[key] for key, _ in requests]
+            print(f"    {ended_line(prompts[:count], ordered, answer_lengths, new_tokens)}", flush=True)
 
 
 if __name__ == "__main__":
