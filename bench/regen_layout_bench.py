@@ -148,7 +148,7 @@ def one_engine(shards: list[LayoutShard], following: int, layout: PagedLayout, n
                 sequence.computed += 1
                 sequence.answer.append(0)
         ended = [s for s in decoding if len(s.answer) == s.limit]
-        chunks = scheduler.next_chunk()
+        chunks = scheduler.next_chunk() if scheduler.prefill_due() else []
         if chunks:
             layout.prefill_chunks += 1
             layout.prefill_tokens += sum(len(c.tokens) for c in chunks)

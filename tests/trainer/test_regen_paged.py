@@ -201,9 +201,8 @@ def test_a_packed_prefill_that_lets_a_sequence_see_its_neighbours_changes_the_an
     (only the position checked, not the sequence) no longer give greedy generate's answers."""
     prompts, end_id, reference = prompts_and_answers
 
-    def any_sequence(positions, owners, keys_per_table, tables):
-        key_index = torch.arange(keys_per_table * tables, device=positions.device)
-        return (key_index % keys_per_table <= positions[:, :, None])[:, None]
+    def any_sequence(positions, owners, key_owners, key_positions):
+        return (key_positions <= positions[:, :, None])[:, None]
 
     def packed_answers() -> list[list[int]]:
         answers = engine(tiny[0], chunk=24).generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
@@ -310,6 +309,71 @@ def prefill_all_one(scheduler: Scheduler) -> list:
         part.sequence.computed += len(part.tokens)
         part.sequence.decoding = part.last
     return [[(part.sequence.key, part.start, len(part.tokens)) for part in parts]] if parts else []
+
+
+def test_while_slots_decode_a_prefill_waits_until_it_is_full_or_an_eighth_of_the_slots_wait_for_it():
+    scheduler = Scheduler(slots=16, pages=200, page_size=4, max_pages=16, chunk=12)
+    for key in range(16):
+        scheduler.add(Sequence(key, [1] * 5))
+    for key in ("later", "last", "after"):
+        scheduler.add(Sequence(key, [1] * 5))
+    while scheduler.prefilling() or len(scheduler.decoding()) < 16:
+        scheduler.admit()
+        assert scheduler.prefill_due()  # nothing decodes yet: every slot waits for a prefill
+        prefill_all_one(scheduler)
+    first, second = scheduler.slots[:2]
+    scheduler.release(first)
+    scheduler.admit()  # "later" (5 tokens) takes the free slot; a chunk holds 12
+    assert [s.key for s in scheduler.prefilling()] == ["later"]
+    assert not scheduler.prefill_due()  # one slot of 16 waits, and more prompts may join its chunk
+    scheduler.release(second)
+    scheduler.admit()
+    assert [s.key for s in scheduler.prefilling()] == ["later", "last"]
+    assert scheduler.waiting and scheduler.prefill_due()  # two of 16 slots wait: an eighth
+    # a chunk that can be full is run at once, one slot waiting or not
+    full = Scheduler(slots=16, pages=200, page_size=4, max_pages=16, chunk=4)
+    full.add(Sequence("a", [1] * 5))
+    full.add(Sequence("b", [1] * 5))
+    full.admit()
+    assert len(full.prefilling()) == 1 and full.waiting and full.prefill_due()
+    # no prompt waits to join it: run it now
+    alone = Scheduler(slots=16, pages=200, page_size=4, max_pages=16, chunk=12)
+    alone.add(Sequence("a", [1] * 5))
+    alone.admit()
+    assert not alone.waiting and alone.prefill_due()
+
+
+def test_a_prefill_chunk_reads_each_sequence_s_pages_up_to_its_last_token_only(
+    tiny, prompts_and_answers, monkeypatch
+):
+    """The chunk's keys are its sequences' pages up to the chunk's end, not each whole slot (80
+    tokens, 20 pages): the answers stay greedy generate's."""
+    prompts, end_id, reference = prompts_and_answers
+    widths = []
+    plain = paged_step.paged_forward
+
+    def recorded(target, pages, tokens, positions, seen):
+        if tokens.shape[1] > 1 or pages[0].table.shape[0] == 1:  # a prefill chunk: one packed row
+            widths.append((pages[0].table.shape[1], seen.shape[-1]))
+        return plain(target, pages, tokens, positions, seen)
+
+    needed = []  # each chunk's pages: its sequences' up to the chunk's end
+    next_chunk = Scheduler.next_chunk
+
+    def recorded_chunk(self):
+        chunks = next_chunk(self)
+        needed.append(sum(-(-(c.start + len(c.tokens)) // 4) for c in chunks))
+        return chunks
+
+    monkeypatch.setattr("trainer.data.engine.engine.paged_forward", recorded)
+    monkeypatch.setattr(Scheduler, "next_chunk", recorded_chunk)
+    paged = engine(tiny[0], chunk=24)
+    answers = paged.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+    assert [answers[i] for i in range(len(prompts))] == reference
+    assert len(widths) == len(needed) > 1
+    assert [pages for pages, _ in widths] == needed
+    assert all(keys == pages * 4 for pages, keys in widths)
+    assert sum(needed) < 20 * len(prompts)  # each sequence's whole slot (80 tokens) at least once
 
 
 def test_a_dry_pool_preempts_the_newest_sequence_back_to_the_front_of_the_queue():

@@ -239,13 +239,15 @@ class PagedEngine:
         return [q for q in decoding if q.answer[-1] == end_id or len(q.answer) == q.limit]
 
     def prefill(self, scheduler: Scheduler, end_id: int) -> list[Sequence]:
-        """One prefill chunk: the chunks of every sequence in it packed in one row, each reading its
-        own table; a sequence whose prompt it ends gets its first answer token."""
-        chunks = scheduler.next_chunk()
-        if not chunks:
+        """One prefill chunk, when one is due (Scheduler.prefill_due): the chunks of every sequence in
+        it packed in one row, each reading its own pages; a sequence whose prompt it ends gets its
+        first answer token."""
+        if not scheduler.prefill_due():
             return []
+        chunks = scheduler.next_chunk()
         page_size, device = self.settings.page_size, self.kv.decode_table.device
-        tokens, positions, owners, where, table, ends = [], [], [], [], [], []
+        tokens, positions, owners, where, ends = [], [], [], [], []
+        table, key_owners, key_positions = [], [], []
         for owner, chunk in enumerate(chunks):
             pages = chunk.sequence.pages
             span = range(chunk.start, chunk.start + len(chunk.tokens))
@@ -253,11 +255,17 @@ class PagedEngine:
             positions += span
             owners += [owner] * len(span)
             where += [pages[p // page_size] * page_size + p % page_size for p in span]
-            table += self.kv.table_row(pages)
             ends.append(len(tokens) - 1)
+            # Only the pages up to the chunk's last token: a chunk's keys are its own tokens and what
+            # came before them, not every sequence's whole slot (which made the attention, and the
+            # keys gathered for it, grow with the chunk's sequences times the slot's length).
+            seen_pages = pages[: pages_for(span.stop, page_size)]
+            table += seen_pages
+            key_owners += [owner] * (len(seen_pages) * page_size)
+            key_positions += range(len(seen_pages) * page_size)
         as_row = lambda values: torch.tensor([values], dtype=torch.long, device=device)  # noqa: E731
         positions_row, table_row = as_row(positions), as_row(table)
-        seen = packed_visible(positions_row, as_row(owners), self.kv.max_pages * page_size, len(chunks))
+        seen = packed_visible(positions_row, as_row(owners), as_row(key_owners)[0], as_row(key_positions)[0])
         pages = layer_pages(self.kv, table_row, as_row(where))
         hidden = paged_forward(self.target, pages, as_row(tokens), positions_row, seen)
         following = greedy(self.target, hidden[0, ends]).tolist()

@@ -2,7 +2,8 @@
 
 Each engine iteration is one decode step for every slot whose sequence is decoding, plus at most
 one prefill chunk of at most `chunk` prompt tokens, of one or more sequences being prefilled (so a
-long prompt does not stall the decoding rows, and short ones fill free slots together). A slot
+long prompt does not stall the decoding rows, and short ones fill free slots together), run when
+one is due (prefill_due: full, or an eighth of the slots waiting for it). A slot
 whose sequence ends (end token or cap) is free at once; waiting sequences are admitted into free
 slots while their prompts' pages are free, plus a reserve of one page for each decoding sequence
 (each may need a new page soon), and while the prompts admitted and not yet prefilled hold fewer
@@ -91,6 +92,21 @@ class Scheduler:
             sequence.computed, sequence.decoding = 0, False
             sequence.admitted = next(self.order)
             self.slots[sequence.slot] = sequence
+
+    def prefill_due(self) -> bool:
+        """Whether this iteration runs a prefill chunk besides its decode step. A chunk costs about as
+        much whether it holds a few prompt tokens or `chunk` of them (on an H100 at the 8B shape a
+        chunk of some 200 tokens took about three decode steps), so while sequences decode, one is
+        run once it can be full, or an eighth of the slots wait for it, or no other prompt can join
+        it; a slot that ends waits a few steps for its successor's prefill, not every step for a
+        chunk of one prompt."""
+        prefilling = self.prefilling()
+        if not prefilling:
+            return False
+        if not self.waiting or sum(len(s.tokens) - s.computed for s in prefilling) >= self.chunk:
+            return True
+        idle = sum(1 for s in self.slots if s is None or not s.decoding)
+        return idle * 8 >= len(self.slots)
 
     def next_chunk(self) -> list[PrefillChunk]:
         """The next prefill chunk: the oldest prefilling sequences' next tokens, `chunk` in all."""

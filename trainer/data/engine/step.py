@@ -4,9 +4,9 @@ final norm and LM head, called here one after the other, each layer handed its v
 own (sdpa or eager), so the arithmetic is the model's.
 
 Two shapes: a prefill chunk, up to `chunk` prompt tokens of one or more sequences packed in one
-row, each reading its own pages (eager, its shape varies), and the decode step, every slot x one
-token over max_pages pages a slot: one shape for a whole run, so it is compiled once and, on a
-GPU, replayed as a CUDA graph (DecodeStep)."""
+row, each reading its own pages up to the chunk's last (eager, its shape varies), and the decode
+step, every slot x one token over max_pages pages a slot: one shape for a whole run, so it is
+compiled once and, on a GPU, replayed as a CUDA graph (DecodeStep)."""
 
 from __future__ import annotations
 
@@ -30,12 +30,13 @@ def visible(positions: torch.Tensor, keys: int) -> torch.Tensor:
     return (key_index <= positions[:, :, None])[:, None]
 
 
-def packed_visible(positions: torch.Tensor, owners: torch.Tensor, keys_per_table: int, tables: int):
-    """visible() for sequences packed in one row [1, queries], their tables one after another:
-    a query sees positions 0..p of its own sequence's (owners [1, queries]) table only."""
-    key_index = torch.arange(keys_per_table * tables, device=positions.device)
-    own = key_index // keys_per_table == owners[:, :, None]
-    return (own & (key_index % keys_per_table <= positions[:, :, None]))[:, None]
+def packed_visible(positions: torch.Tensor, owners: torch.Tensor, key_owners: torch.Tensor,
+                   key_positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """visible() for sequences packed in one row [1, queries], their pages one after another (each
+    sequence's only up to its chunk's last: key_owners and key_positions [keys] say whose key each
+    is and at which position): a query sees positions 0..p of its own sequence (owners [1, queries])."""
+    own = key_owners == owners[:, :, None]
+    return (own & (key_positions <= positions[:, :, None]))[:, None]
 
 
 def as_attention_mask(target, seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
