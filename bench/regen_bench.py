@@ -78,6 +78,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import itertools
 import math
 import random
@@ -719,7 +720,10 @@ def parse_args() -> argparse.Namespace:
         "--paged-attention", default="auto", help="paged: data.regen_attention, a comma list: a row for each"
     )
     chunk = DataConfig.regen_prefill_chunk
-    parser.add_argument("--prefill-chunk", type=int, default=chunk, help="paged: data.regen_prefill_chunk")
+    parser.add_argument(
+        "--prefill-chunk", default=str(chunk),
+        help="paged: data.regen_prefill_chunk (a comma list: a row each)"
+    )
     parser.add_argument(
         "--paged-warm-up", type=int, default=0,
         help="paged: the first pass (which compiles the one decode shape) over the first N prompts only "
@@ -847,7 +851,7 @@ def main() -> int:
                 max_new_tokens=new_tokens, batch_size=batch_size, batch_tokens=args.batch_tokens,
                 min_width=args.min_width, compile=not args.no_compile, compile_scope=compile_scope,
                 compile_dynamic=dynamic == "dynamic", slots=args.slots, page_size=args.page_size,
-                prefill_chunk=args.prefill_chunk,
+                prefill_chunk=int(args.prefill_chunk.split(",")[0]),
             )  # fmt: skip
 
         if len(caps) > 1:
@@ -929,9 +933,14 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
                 )
                 timed("continuous (defaults)", device, run, prompts, limit, args.profile)
             elif row == "paged":
-                for attention in args.paged_attention.split(","):
-                    paged = dataclasses.replace(settings_for(batch_sizes[0]), attention=attention)
+                chunks = [int(chunk) for chunk in args.prefill_chunk.split(",")]
+                for attention, chunk in itertools.product(args.paged_attention.split(","), chunks):
+                    paged = dataclasses.replace(settings_for(batch_sizes[0]), attention=attention,
+                                                prefill_chunk=chunk)  # fmt: skip
                     paged_row(args, target, prompts, paged, device, source.end_id, answer_lengths)
+                    gc.collect()  # the row's pool and CUDA graph, before the next row's are taken
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
             elif row in ("static", "shards"):
                 scopes = args.decode_scope.split(",")
                 for scope, batch_size in itertools.product(scopes, batch_sizes):
@@ -1014,7 +1023,8 @@ def paged_row(
                                            should_stop=progress.tick))  # fmt: skip
             return [answers[key] for key, _ in requests]
 
-        name = f"paged S{settings.slots} P{settings.page_size} {engine.attention} pass {attempt}"
+        shape = f"S{settings.slots} P{settings.page_size} C{settings.prefill_chunk}"
+        name = f"paged {shape} {engine.attention} pass {attempt}"
         timed(name, device, run, prompts[:count], limit, args.profile and attempt == 2)
         after = (engine.decode_steps, engine.prefill_chunks, engine.preemptions)
         steps, chunks, preempted = (now - then for now, then in zip(after, before, strict=True))
