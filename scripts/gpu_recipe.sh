@@ -7,7 +7,8 @@
 #          in $OUT (regenerated.tgz), for a second machine.
 #   train: launch.yml -e run=qwen3-8b (the rest of the regeneration, the token store, packed rows of
 #          3,072 tokens, training), status.yml, stop.yml (a checkpoint), launch.yml -e resume=true,
-#          the run to its last step, status.yml.
+#          the run to its last step, status.yml; WARM_LAUNCH=true: then a launch over the warm
+#          compile cache (-e fresh=true) to its first progress, and stop.yml.
 #   export: export.yml, and the export loaded by the reference dflash package
 #          (scripts/dflash_reference_check.py: greedy decoding lossless, its acceptance length).
 #   compare: the product's regeneration against bench/regen_bench.py on the same prompts and target:
@@ -69,6 +70,9 @@ STEPS=${STEPS:-24}
 # A periodic checkpoint every CHECKPOINT_EVERY steps besides the stop's and the end's: one written in
 # the background while training goes on (0: none).
 CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-8}
+# WARM_LAUNCH=true: after the resumed run's end, the train stage launches the run once more from its
+# start (-e fresh=true) over the warm compile cache, to its first progress, and stops it.
+WARM_LAUNCH=${WARM_LAUNCH:-false}
 # How long the data stage may regenerate before it stops the run (the finished shards are kept, and
 # the train stage's launch regenerates the rest): a device call has ten minutes.
 REGEN_BUDGET_S=${REGEN_BUDGET_S:-420}
@@ -177,6 +181,13 @@ checkpoint_lines() {  # checkpoint_lines LOG: every checkpoint's pause and write
         || echo "none"; } | sed 's/^/   /'
 }
 
+wait_for_idle_gpus() {  # wait_for_idle_gpus SECONDS: until no process holds a GPU (none: at once)
+    local deadline=$((SECONDS + $1))
+    while [ $SECONDS -lt $deadline ] && [ -n "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ]; do
+        sleep 2
+    done
+}
+
 wait_for_end() {  # wait_for_end SECONDS: until the run record leaves `running`; 1 if it did not
     local deadline=$((SECONDS + $1))
     while [ $SECONDS -lt $deadline ]; do
@@ -247,6 +258,19 @@ stage_train() {
     { grep -h -E "^startup: " "$OUT/launch_train_qwen3-8b.log" "$log" || echo "none"; } | sed 's/^/   /'
     ls -la "$STATE/workspace/runs/qwen3-8b/checkpoints" | sed 's/^/   /'
     cp "$log" "$OUT/train_qwen3-8b.log"
+    [ "$WARM_LAUNCH" = true ] || return 0
+    # A launch's start over the compile cache the first one filled (a bare machine's first launch
+    # compiles from nothing): the run started over (-e fresh=true), stopped at its first progress.
+    # The finished trainer may still hold its GPU while it exits: the preflight refuses a busy GPU.
+    wait_for_idle_gpus 120
+    playbook launch warm_launch.log -e run=qwen3-8b -e "steps=$STEPS" -e fresh=true \
+        || grep -E "FAILED|msg" "$OUT/warm_launch.log" | head -6 | sed 's/^/   /'
+    grep -E "PID|first progress" "$OUT/warm_launch.log" | head -3 | sed 's/^/   /'
+    startup_breakdown "warm launch"
+    playbook stop stop_warm.log
+    say "checkpoints of the warm launch's process:"
+    checkpoint_lines "$log"
+    cp "$log" "$OUT/warm_launch_train_qwen3-8b.log"
 }
 
 stage_export() {
