@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -347,3 +348,9 @@ def test_a_stop_waits_for_the_write_in_flight_then_writes_its_own(tmp_path, held
     directory = tmp_path / "checkpoints"
     assert load_checkpoint(directory / "step_00000003.pt")["drafter"]["w"].eq(3.0).all()
     assert load_checkpoint(directory / "step_00000004.pt")["drafter"]["w"].eq(4.0).all()
+    # the stop's pause names the wait for step 3's write apart from its own copy
+    costs = {line.split()[2].rstrip(":"): line for line in run.out.lines if "training paused" in line}
+    assert "waiting" not in costs["3"]
+    pattern = r"training paused ([\d.]+) s \(([\d.]+) s of it waiting for step 3's write to end"
+    waited = re.search(pattern, costs["4"])
+    assert waited and 0.2 <= float(waited.group(2)) <= float(waited.group(1)), costs["4"]

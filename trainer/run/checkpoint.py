@@ -297,6 +297,8 @@ class Written:
     write_s: float
     error: CheckpointWriteError | None = None
     unstaged: str | None = None  # why it was written without a host copy, training waiting for it
+    waited_s: float = 0.0  # of paused_s: the wait for the write before it to end
+    waited_for: int | None = None  # that write's step
 
 
 class CheckpointWriter:
@@ -320,36 +322,41 @@ class CheckpointWriter:
     def in_flight(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
-    def start(self, directory: Path, step: int, state: Any, began: float) -> None:
+    def start(self, directory: Path, step: int, state: Any, began: float,
+              waited: tuple[float, int | None] = (0.0, None)) -> None:  # fmt: skip
         """Copy `state` to the host and write it (`began`: time.perf_counter() when training stopped
-        for this checkpoint)."""
+        for this checkpoint; `waited`: of the time since, the seconds spent waiting for the write
+        before it to end, and that write's step)."""
         if self.thread is not None or self.outcome is not None:
             raise RuntimeError("a checkpoint write is in flight or unreported: wait() for it first")
         host = self.staging.to_host(state)
         unstaged = self.staging.declined
         self.last_step = step
         if unstaged or not self.background:
-            self._write(directory, step, host, 0.0, unstaged)
+            self._write(directory, step, host, 0.0, unstaged, waited)
             self.outcome.paused_s = time.perf_counter() - began
             return
         paused = time.perf_counter() - began
         # Not a daemon: an interpreter leaving by any path waits for the write rather than cut it.
         self.thread = threading.Thread(
-            target=self._write, args=(directory, step, host, paused), name="checkpoint-writer"
+            target=self._write, args=(directory, step, host, paused, None, waited), name="checkpoint-writer"
         )
         self.thread.start()
 
-    def _write(self, directory: Path, step: int, state: Any, paused: float, unstaged: str | None = None):
+    def _write(self, directory: Path, step: int, state: Any, paused: float, unstaged: str | None = None,
+               waited: tuple[float, int | None] = (0.0, None)):  # fmt: skip
         began = time.perf_counter()
         try:
             path = save_checkpoint(directory, step, state)
-            written = time.perf_counter() - began
-            self.outcome = Written(step, path, path.stat().st_size, paused, written, unstaged=unstaged)
+            outcome = Written(step, path, path.stat().st_size, paused, time.perf_counter() - began,
+                              unstaged=unstaged)  # fmt: skip
         except CheckpointWriteError as exc:
-            self.outcome = Written(step, None, 0, paused, time.perf_counter() - began, exc, unstaged)
+            outcome = Written(step, None, 0, paused, time.perf_counter() - began, exc, unstaged)
         except BaseException as exc:  # a fault of the writer's own: the caller's to raise
             self.failure = exc
-            self.outcome = Written(step, None, 0, paused, time.perf_counter() - began)
+            outcome = Written(step, None, 0, paused, time.perf_counter() - began)
+        outcome.waited_s, outcome.waited_for = waited
+        self.outcome = outcome
 
     def poll(self) -> Written | None:
         """The outcome of the write in flight if it has ended (once), else None; never waits."""

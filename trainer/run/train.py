@@ -567,14 +567,18 @@ class Run:
         if self.world.any(not finite):
             self.diverged(step, "the drafter's weights are not finite")
         writer = self.world.is_lead
+        waited = (0.0, None)
         if writer:
+            in_flight, before, waiting = self.writer.in_flight, self.writer.last_step, time.perf_counter()
             self.report(self.writer.wait())
+            if in_flight:  # checkpoints came faster than one is written: training waited for it
+                waited = (time.perf_counter() - waiting, before)
         self.announce()  # the ranks wait here for rank 0's write before: none races into its buffers
         state = checkpoint_state(
             step, self.cfg, self.topology, self.loader, self.tau0, self.stretches, self.tau0_step
         )
         if writer:
-            self.writer.start(self.out_dir / "checkpoints", step, state, began)
+            self.writer.start(self.out_dir / "checkpoints", step, state, began, waited)
         del state  # the live tensors' references: the writer holds its copy
         self.last_save = time.monotonic()
         if final or not self.cfg.train.async_checkpoints:
@@ -645,8 +649,14 @@ class Run:
         protected = {best} if best is not None else set()
         removed = prune_checkpoints(directory, self.cfg.train.keep_checkpoints, protected)
         kept = ", ".join(str(saved_step) for saved_step in saved if saved_step not in removed)
+        waited = ""
+        if written.waited_s >= 0.01:
+            waited = (
+                f" ({written.waited_s:.2f} s of it waiting for step {written.waited_for}'s write to end: "
+                "checkpoints came faster than one is written)"
+            )
         line = (
-            f"checkpoint step {written.step}: training paused {written.paused_s:.2f} s; "
+            f"checkpoint step {written.step}: training paused {written.paused_s:.2f} s{waited}; "
             f"{written.size / 2**30:.2f} GiB written in {written.write_s:.1f} s; kept steps {kept}"
         )
         if best is not None:
