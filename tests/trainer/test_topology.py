@@ -195,6 +195,33 @@ def test_another_workers_replica_copies_the_first_ones_weights():
     assert second.drafter.shared.embed is first.drafter.shared.embed  # the target's, not copied
 
 
+def test_a_resumed_run_s_replica_is_built_with_the_checkpoint_s_weights_without_drawing_random_ones(
+    monkeypatch,
+):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trainer.config import load_config
+    from trainer.model.drafter import DFlashDrafter
+    from trainer.parallel.replica import Replica
+
+    cfg = load_config("eager", sets=["drafter.num_layers=2", "parallel.devices=cpu"])
+    shape = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    target = Qwen3ForCausalLM(shape).eval().requires_grad_(False)
+    torch.manual_seed(0)
+    saved = Replica(cfg, torch.device("cpu"), target, [1, 3], 63, 0).drafter.state_dict()
+    saved = {key: value + 1.0 for key, value in saved.items()}  # weights no initialisation draws
+    drawn = []
+    monkeypatch.setattr(DFlashDrafter, "reset_parameters", lambda self, std=0.02: drawn.append(self))
+    rng = torch.get_rng_state()
+    resumed = Replica(cfg, torch.device("cpu"), target, [1, 3], 63, 0, weights=saved)
+    mine = resumed.drafter.state_dict()
+    assert mine.keys() == saved.keys() and all(torch.equal(mine[key], saved[key]) for key in saved)
+    assert drawn == [] and torch.equal(torch.get_rng_state(), rng)  # nothing drawn, on any generator
+
+
 def test_step_loss_is_the_mean_over_every_replicas_weighted_sum():
     from trainer.parallel.replica import StepLoss
 

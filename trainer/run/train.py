@@ -222,7 +222,9 @@ def train_models(
         out.line(describe_run(cfg, out_dir, place))
         if resume and resume_from is None:
             out.line(f"--resume: no checkpoint in {out_dir / 'checkpoints'}; starting from step 0")
-        models = load_models(cfg, place, out, clock, preload)
+        weights = resume_from.state["drafter"] if resume_from is not None else None
+        models = load_models(cfg, place, out, clock, preload, weights)
+        del weights
         # A stop before training: the run stays at its checkpoint's step (0 on a fresh start).
         begun = int(resume_from.state.get("step", 0)) if resume_from is not None else 0
         with clock.part("compile and warm-up"):
@@ -315,7 +317,10 @@ def load_models(
     out: Output,
     clock: StartupClock | None = None,
     preload: TargetLoad | None = None,
+    weights: dict | None = None,
 ) -> Models:
+    """The target and a drafter replica on each of this process's devices; `weights`: a resumed
+    run's drafter weights (from its checkpoint), built with them instead of drawing random ones."""
     clock = clock or StartupClock(time.perf_counter())
     with clock.part("target load"):
         target_path, train_file = target_and_data_paths(cfg, place.world)
@@ -337,7 +342,9 @@ def load_models(
         rank = place.world.rank + index  # threads: the worker's index; processes: the rank
         first = replicas[0] if replicas else None  # the other workers copy its weights
         with clock.part("drafter build"):
-            replicas.append(Replica(cfg, device, device_target, layer_ids, mask_id, rank, copy_of=first))
+            replicas.append(
+                Replica(cfg, device, device_target, layer_ids, mask_id, rank, copy_of=first, weights=weights)
+            )
     n_params = sum(p.numel() for p in replicas[0].params)
     out.line(
         f"drafter: {cfg.drafter.num_layers} layers, {n_params / 1e6:.2f}M trainable parameters, "
