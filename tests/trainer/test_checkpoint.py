@@ -12,6 +12,7 @@ from trainer.cli import main
 from trainer.run.checkpoint import (
     CheckpointError,
     HostStaging,
+    ViewReader,
     available_host_memory,
     checkpoint_from_bytes,
     header_digest,
@@ -19,6 +20,7 @@ from trainer.run.checkpoint import (
     load_checkpoint,
     map_device_tensors,
     save_checkpoint,
+    split_checkpoint,
 )
 
 pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
@@ -63,12 +65,21 @@ def test_truncated_checkpoint_rejected(tmp_path):
         load_checkpoint(path)
 
 
-def test_flipped_byte_rejected(tmp_path):
+@pytest.mark.parametrize("where", ["the archive's directory", "a tensor's bytes"])
+def test_flipped_byte_rejected(tmp_path, where):
+    """Unpacked while it is hashed: bytes that do not unpack, and bytes that unpack into other
+    values, are both refused by the checksum, and no state is handed over."""
     path = save_checkpoint(tmp_path, 1, _state())
     raw = bytearray(path.read_bytes())
-    raw[-100] ^= 0x01
+    if where == "a tensor's bytes":
+        at = raw.index(torch.arange(1000, dtype=torch.float32)[500:502].numpy().tobytes())
+        raw[at] ^= 0x01
+        with ViewReader(split_checkpoint(bytes(raw), "flipped", checksum=False)[1]) as reader:
+            assert torch.load(reader, weights_only=True)["weights"][500] != 500.0  # it unpacks, wrong
+    else:
+        raw[-100] ^= 0x01
     path.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match="checksum"):
+    with pytest.raises(CheckpointError, match="fails its checksum"):
         load_checkpoint(path)
 
 

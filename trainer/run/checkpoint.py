@@ -429,10 +429,10 @@ def read_checkpoint_bytes(path: Path) -> bytes:
 HEADER_MAX = len(MAGIC) + 64 + 1 + LENGTH_DIGITS + 1
 
 
-def split_checkpoint(raw: bytes, origin: object) -> tuple[str, memoryview]:
-    """(the SHA-256 hex digest the header names, the payload), both verified: magic, length, checksum.
-    The payload is a view into `raw`, not a copy: at the Qwen3-8B recipe's shape each copy is 12.6 GB
-    of host memory, on every rank that loads one."""
+def split_checkpoint(raw: bytes, origin: object, checksum: bool = True) -> tuple[str, memoryview]:
+    """(the SHA-256 hex digest the header names, the payload), both verified: magic, length and
+    (`checksum`) the payload's SHA-256. The payload is a view into `raw`, not a copy: at the Qwen3-8B
+    recipe's shape each copy is 12.6 GB of host memory, on every rank that loads one."""
     if not raw.startswith(MAGIC):
         raise CheckpointError(f"checkpoint {origin} is not a trainer checkpoint (bad header)")
     try:
@@ -445,9 +445,13 @@ def split_checkpoint(raw: bytes, origin: object) -> tuple[str, memoryview]:
         raise CheckpointError(
             f"checkpoint {origin} is truncated ({len(payload)} of {expected_length} payload bytes)"
         )
-    if hashlib.sha256(payload).hexdigest().encode() != digest:
-        raise CheckpointError(f"checkpoint {origin} fails its checksum (corrupt)")
+    if checksum and hashlib.sha256(payload).hexdigest() != digest.decode():
+        raise corrupt(origin)
     return digest.decode(), payload
+
+
+def corrupt(origin: object) -> CheckpointError:
+    return CheckpointError(f"checkpoint {origin} fails its checksum (corrupt)")
 
 
 class ViewReader(io.RawIOBase):
@@ -485,15 +489,29 @@ def checkpoint_from_bytes(raw: bytes, origin: object, digest: str | None = None)
 
 
 def verified_checkpoint(raw: bytes, origin: object, digest: str | None = None) -> tuple[str, dict[str, Any]]:
-    """(the payload's SHA-256, the state): checkpoint_from_bytes, with the digest it verified (the
-    payload is hashed once: 6-12 s at the Qwen3-8B recipe's shape)."""
-    found, payload = split_checkpoint(raw, origin)
+    """(the payload's SHA-256, the state): checkpoint_from_bytes, with the digest it verified. The
+    payload is hashed (6-12 s at the Qwen3-8B recipe's shape) on a thread of its own while it is
+    unpacked (hashlib lets go of the GIL), and the state is handed over only once the hash matches:
+    unpacking damaged bytes is safe (weights_only: tensors and plain values, no code), and what
+    they gave is dropped, the error naming the checksum."""
+    found, payload = split_checkpoint(raw, origin, checksum=False)
     if digest is not None and found != digest:
         raise CheckpointError(
             f"checkpoint {origin} is another checkpoint (SHA-256 {found}, expected {digest})"
         )
-    with ViewReader(payload) as reader:
-        return found, torch.load(reader, map_location="cpu", weights_only=True)
+    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as hashing:
+        hashed = hashing.submit(lambda: hashlib.sha256(payload).hexdigest())
+        try:
+            with ViewReader(payload) as reader:
+                state = torch.load(reader, map_location="cpu", weights_only=True)
+        except Exception:
+            if hashed.result() != found:
+                raise corrupt(origin) from None
+            raise
+        if hashed.result() != found:
+            del state
+            raise corrupt(origin)
+    return found, state
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -178,6 +179,14 @@ class ResumePoint:
     state: dict
     path: Path  # the file on rank 0's host
     how: str = ""  # on ranks of other hosts: "this host's copy <path>" or "received from rank 0"
+    cost: str = ""  # rank 0's read of it: its size, the read from disk, the checksum and unpacking
+
+
+def read_cost(size: int, read_s: float, unpack_s: float) -> str:
+    return (
+        f"{size / 2**30:.2f} GiB read from disk in {read_s:.1f} s, checksummed and unpacked side by "
+        f"side in {unpack_s:.1f} s"
+    )
 
 
 def find_resume_point(cfg: Config, out_dir: Path, world) -> ResumePoint | None:
@@ -186,7 +195,7 @@ def find_resume_point(cfg: Config, out_dir: Path, world) -> ResumePoint | None:
     directory = out_dir / "checkpoints"
     if world.world_size == 1:
         return _newest_of_this_host(cfg, directory)
-    chosen, problem, raw, state = _rank0_choice(directory, world)
+    chosen, problem, raw, state, cost = _rank0_choice(directory, world)
     if problem is not None:
         raise BadInput(problem if world.is_lead else f"rank 0: {problem}")
     if chosen is None:
@@ -212,7 +221,7 @@ def find_resume_point(cfg: Config, out_dir: Path, world) -> ResumePoint | None:
         except BadInput as exc:
             problems.append(str(exc))
     _refuse_if_any_rank_refuses(problems, world)
-    return ResumePoint(state, Path(lead_path), how)
+    return ResumePoint(state, Path(lead_path), how, cost)
 
 
 def _newest_of_this_host(cfg: Config, directory: Path) -> ResumePoint | None:
@@ -221,29 +230,37 @@ def _newest_of_this_host(cfg: Config, directory: Path) -> ResumePoint | None:
         return None
     path = checkpoints[-1][1]
     try:
-        state = load_checkpoint(path)
+        began = time.perf_counter()
+        raw = read_checkpoint_bytes(path)
+        read = time.perf_counter()
+        state = verified_checkpoint(raw, path)[1]
+        cost = read_cost(len(raw), read - began, time.perf_counter() - read)
+        del raw
     except CheckpointError as exc:
         raise BadInput(f"{exc}; move it aside to resume from the one before it") from None
     check_resumable(state, cfg, path)
-    return ResumePoint(state, path)
+    return ResumePoint(state, path, cost=cost)
 
 
 def _rank0_choice(directory: Path, world):
     """Rank 0's newest checkpoint (name, path, digest) or its problem, on every rank; rank 0 also
     keeps the file's bytes and state."""
-    raw, state, chosen, problem = None, None, None, None
+    raw, state, chosen, problem, cost = None, None, None, None, ""
     if world.is_lead:
         checkpoints = list_checkpoints(directory)
         if checkpoints:
             path = checkpoints[-1][1]
             try:
+                began = time.perf_counter()
                 raw = read_checkpoint_bytes(path)
+                read = time.perf_counter()
                 digest, state = verified_checkpoint(raw, path)
+                cost = read_cost(len(raw), read - began, time.perf_counter() - read)
                 chosen = (path.name, str(path), digest)
             except CheckpointError as exc:
                 problem = f"{exc}; move it aside to resume from the one before it"
     chosen, problem = world.gather((chosen, problem))[0]
-    return chosen, problem, raw, state
+    return chosen, problem, raw, state, cost
 
 
 def _own_copy(path: Path, digest: str) -> tuple[dict | None, str]:

@@ -505,6 +505,8 @@ class Run:
         self.tau0 = state["tau0"] if state["tau0"] >= 0 else None
         self.tau0_step = int(state.get("tau0_step", 0))
         self.out.line(describe_resume(resume_from, shape, self.loader, self.cfg.train.batch_size))
+        if resume_from.cost:
+            self.out.line(f"checkpoint read: {resume_from.path.name}, {resume_from.cost}")
         if self.world.is_lead:
             # A resumed run's latest tau is its last evaluation, not the first one.
             last_eval = runrecord.last_metrics(self.out_dir)["eval"]
