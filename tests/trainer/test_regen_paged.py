@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from trainer.data.chat import ChatFormat, DataError, iter_conversations
-from trainer.data.engine import PagedEngine, PagedSettings
+from trainer.data.engine import PagedEngine, PagedSettings, conversations
 from trainer.data.engine import step as paged_step
 from trainer.data.engine.scheduler import Scheduler, Sequence
 from trainer.data.regen import DataIndex, Progress, Regeneration, RegenSettings, run_workers
@@ -513,6 +513,42 @@ def test_a_pool_too_small_for_a_shard_s_longest_conversation_is_one_clear_error_
     with pytest.raises(DataError, match=kept):
         run_workers(regen, [tiny[0]], Progress(10), lambda: False, lambda: None, 60.0)
     assert not list(regen.directory.glob("shard-*"))
+
+
+def test_a_pool_the_gpu_s_free_memory_cannot_hold_is_one_clear_error_naming_the_memory(
+    tmp_path, chat_data, tiny, monkeypatch
+):
+    chat = tiny[1]
+    settings = RegenSettings(max_new_tokens=12, engine="paged", shard_size=4, slots=3, page_size=4,
+                             prefill_chunk=16)  # fmt: skip
+    regen = Regeneration(DataIndex.build(chat_data), settings, tmp_path, "key", chat, chat.end_id, None)
+    regen.prepare()
+    monkeypatch.setattr(conversations, "fitting_pool_pages", lambda target, settings: 12)
+    said = r"and the pool holds 11 .*the pool is what the GPU's free memory holds.*free the GPU of other"
+    with pytest.raises(DataError, match=said):
+        run_workers(regen, [tiny[0]], Progress(10), lambda: False, lambda: None, 60.0)
+    assert not list(regen.directory.glob("shard-*"))
+
+
+def test_the_pool_is_the_configured_one_where_the_gpu_holds_it_and_what_fits_where_not():
+    from transformers import Qwen3Config
+
+    qwen3_8b = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128)  # fmt: skip
+    settings = RegenSettings(engine="paged")  # 262,144 tokens in pages of 64: 4,096 pages, 36 GiB
+    gib, said = 1 << 30, []
+    pages = lambda free: conversations.pool_pages(  # noqa: E731
+        qwen3_8b, torch.bfloat16, settings, free, "cuda:0", said.append
+    )
+    assert pages(None) == 4096 and said == []  # a CPU: no device memory to count
+    assert pages(62 * gib) == 4096 and said == []  # an 80 GB card, the target's 16 GB loaded
+    fewer = pages(30 * gib)  # a card shared with another process
+    assert 0 < fewer < 4096 and len(said) == 1
+    page = 36 * 8 * 128 * 2 * 2 * 64  # layers x KV heads x head size x keys and values x bf16 x tokens
+    assert fewer * page <= 30 * gib - 3 * gib - 2 * gib  # within the free memory, less what is held back
+    assert f"a pool of {fewer * 64:,} tokens" in said[0] and "not data.regen_batch_tokens 262,144" in said[0]
+    assert "cuda:0 has 30.0 GiB free with the target loaded" in said[0]
+    assert pages(1 * gib) == 0
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ are generated (those a training row can see) and the context check are the regen
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -84,7 +85,7 @@ def paged_shards(regeneration, ranges: Iterable[tuple[int, int]], target, progre
 
     settings, chat = regeneration.settings, regeneration.chat
     header = len(chat.header("assistant"))
-    pool_pages = settings.batch_tokens // settings.page_size
+    pool_pages = fitting_pool_pages(target, settings)
     in_flight: dict[int, ShardInFlight] = {}
     ranges = iter(ranges)
 
@@ -143,9 +144,15 @@ def paged_shards(regeneration, ranges: Iterable[tuple[int, int]], target, progre
     while pending is not None:
         try:
             max_tokens = slot_tokens(pending.longest, settings.page_size, pool_pages)
-            engine_settings = paged_settings(settings, max_tokens, compiled)
+            engine_settings = paged_settings(settings, max_tokens, compiled, pool_pages)
         except ValueError as exc:
-            raise DataError(f"{exc} (the shards finished so far are kept)") from None
+            limited = ""
+            if pool_pages < settings.batch_tokens // settings.page_size:
+                limited = (
+                    "; the pool is what the GPU's free memory holds (its line above): free the GPU of "
+                    "other processes or regenerate on a card with more memory"
+                )
+            raise DataError(f"{exc}{limited} (the shards finished so far are kept)") from None
         engine = engine_for(target, engine_settings)
         first, pending = begin(pending), None
 
@@ -191,10 +198,67 @@ def gathered_attention(target, settings) -> str | None:
     return None if target.config._attn_implementation in ("sdpa", "eager") else "sdpa"
 
 
-def paged_settings(settings, max_tokens: int, compiled: bool) -> PagedSettings:
-    """The engine's settings from the regeneration's: the pool is data.regen_batch_tokens tokens."""
+def fitting_pool_pages(target, settings, notice=None) -> int:
+    """The pool's pages: data.regen_batch_tokens tokens of them, or on a GPU as many as its free
+    memory holds beside the engine's own working memory, if fewer (pool_pages). The pool the
+    target's kept engine holds counts as free: it is given back before a new one is taken
+    (engine_for)."""
+    from ..regen import usable_bytes
+
+    parameter = next(target.parameters())
+    free = None
+    if parameter.device.type == "cuda":
+        kept = _ENGINES.get(target)
+        free = usable_bytes(parameter.device) + (kept.kv.bytes if kept is not None else 0)
+    return pool_pages(target.config, parameter.dtype, settings, free, parameter.device, notice)
+
+
+def pool_pages(config, dtype, settings, free: int | None, device="the device", notice=None) -> int:
+    """data.regen_batch_tokens tokens of pages, or fewer where `free` bytes (None: not counted, a
+    CPU) do not hold them beside the engine's working memory: a share and a reserve held back as
+    for the static engine's batches, a prefill chunk's peak and the decode step's logits. Fewer is
+    said once, with the figures: a card that other processes share, or a target too large to leave
+    room for the default pool."""
+    from ..regen import (
+        GIB,
+        MEMORY_MARGIN,
+        MEMORY_RESERVE,
+        kv_cache_bytes,
+        logits_row_bytes,
+        prefill_token_bytes,
+    )
+
+    wanted = settings.batch_tokens // settings.page_size
+    if free is None:
+        return wanted
+    working = (
+        int(free * MEMORY_MARGIN) + MEMORY_RESERVE  # the compiled step, its CUDA graph, workspaces
+        + settings.prefill_chunk * prefill_token_bytes(config, dtype)  # a prefill chunk's peak
+        + settings.slots * logits_row_bytes(config)  # the decode step's logits
+    )
+    page = kv_cache_bytes(config, 1, settings.page_size, dtype)
+    fitting = max(0, free - working) // page
+    if fitting >= wanted:
+        return wanted
+    (notice or _say)(
+        f"paged engine: a pool of {fitting * settings.page_size:,} tokens ({fitting * page / GIB:.1f} GiB), "
+        f"not data.regen_batch_tokens {settings.batch_tokens:,} ({wanted * page / GIB:.1f} GiB): "
+        f"{device} has {free / GIB:.1f} GiB free with the target loaded, less "
+        f"{working / GIB:.1f} GiB for the engine's own work; fewer sequences fit at once"
+    )
+    return fitting
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def paged_settings(settings, max_tokens: int, compiled: bool, pages: int | None = None) -> PagedSettings:
+    """The engine's settings from the regeneration's: the pool is `pages` pages, by default
+    data.regen_batch_tokens tokens of them."""
+    pages = pages if pages is not None else settings.batch_tokens // settings.page_size
     return PagedSettings(
-        slots=settings.slots, page_size=settings.page_size, pages=settings.batch_tokens // settings.page_size,
+        slots=settings.slots, page_size=settings.page_size, pages=pages,
         max_tokens=max_tokens, chunk=settings.prefill_chunk, compile=compiled,
         attention=engine_attention(settings, compiled),
         gather_if_flex_fails=settings.attention == "auto",

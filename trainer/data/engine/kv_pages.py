@@ -57,6 +57,11 @@ class PagedKV:
         # reads it at a fixed address); a prefill chunk's one row is a tensor of its own.
         self.decode_table = torch.zeros(slots, max_pages, dtype=torch.long, device=device)
 
+    @property
+    def bytes(self) -> int:
+        """The pool's device memory: every layer's keys and values."""
+        return sum(pool.numel() * pool.element_size() for pool in (*self.keys, *self.values))
+
     def table_row(self, pages: list[int]) -> list[int]:
         return pages + [SCRATCH_PAGE] * (self.max_pages - len(pages))
 
