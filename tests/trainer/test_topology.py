@@ -173,18 +173,24 @@ def test_nccl_exchange_across_gpus(bucket_bytes):
         exchange.close()
 
 
-def test_another_workers_replica_copies_the_first_ones_weights():
+def replica_config_and_target():
+    """(a two-layer drafter's config on the CPU, a six-layer random Qwen3 target) for Replica."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from trainer.config import load_config
-    from trainer.parallel.replica import Replica
 
     cfg = load_config("eager", sets=["drafter.num_layers=2", "parallel.devices=cpu"])
     shape = Qwen3Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
     )  # fmt: skip
-    target = Qwen3ForCausalLM(shape).eval().requires_grad_(False)
+    return cfg, Qwen3ForCausalLM(shape).eval().requires_grad_(False)
+
+
+def test_another_workers_replica_copies_the_first_ones_weights():
+    from trainer.parallel.replica import Replica
+
+    cfg, target = replica_config_and_target()
     torch.manual_seed(0)
     first = Replica(cfg, torch.device("cpu"), target, [1, 3], 63, 0)
     second = Replica(cfg, torch.device("cpu"), target, [1, 3], 63, 1, copy_of=first)
@@ -198,18 +204,10 @@ def test_another_workers_replica_copies_the_first_ones_weights():
 def test_a_resumed_run_s_replica_is_built_with_the_checkpoint_s_weights_without_drawing_random_ones(
     monkeypatch,
 ):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from trainer.config import load_config
     from trainer.model.drafter import DFlashDrafter
     from trainer.parallel.replica import Replica
 
-    cfg = load_config("eager", sets=["drafter.num_layers=2", "parallel.devices=cpu"])
-    shape = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-    )  # fmt: skip
-    target = Qwen3ForCausalLM(shape).eval().requires_grad_(False)
+    cfg, target = replica_config_and_target()
     torch.manual_seed(0)
     saved = Replica(cfg, torch.device("cpu"), target, [1, 3], 63, 0).drafter.state_dict()
     saved = {key: value + 1.0 for key, value in saved.items()}  # weights no initialisation draws
