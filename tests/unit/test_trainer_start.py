@@ -5,10 +5,17 @@ stand-in trainer (tests/unit/standin.py), killed by PID at the end of every test
 
 from __future__ import annotations
 
+import fcntl
 import os
+import subprocess
+import threading
 from pathlib import Path
 
-from ansible_collections.dflash.ct200.plugins.module_utils.run_record import lock_holder, read_record
+from ansible_collections.dflash.ct200.plugins.module_utils.run_record import (
+    lock_holder,
+    lock_path,
+    read_record,
+)
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import boot_id, read_stat
 from ansible_collections.dflash.ct200.plugins.modules import trainer_start
 
@@ -85,6 +92,32 @@ def test_a_second_start_on_a_busy_output_is_refused_naming_the_pid_and_changes_n
         assert not list(tmp_path.glob("train.log.*")), "the running trainer's log was renamed"
         assert log.read_text().startswith(log_before)
         assert alive(pid)
+
+
+def test_a_start_refused_while_another_is_starting_names_that_one_s_trainer_once_written(
+    tmp_path, run_module
+) -> None:
+    """Another start holds the lock and has not yet written its trainer's PID (the lock file it
+    emptied): the refusal waits for the PID, rather than naming this process or an earlier run."""
+    script, log, out = workspace(tmp_path), tmp_path / "train.log", tmp_path / "runs" / "nographs"
+    out.parent.mkdir(parents=True)
+    lock = lock_path(out)
+    lock.write_text("999999999\n")  # an earlier run's PID, long gone
+    other = subprocess.Popen(["sleep", "30"])  # the other start's trainer
+    holding = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(holding, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(holding, 0)  # the other start, between its lock and its trainer's PID
+        threading.Timer(0.5, lambda: os.pwrite(holding, f"{other.pid}\n".encode(), 0)).start()
+        with Started() as started:
+            second = start(run_module, script, log, out=str(out), args=["--out", str(out)])
+            started.add({"pid": second.result.get("pid")})
+        assert second.failed and second.result["holder"] == other.pid, second.result["msg"]
+        assert f"PID {other.pid}" in second.result["msg"]
+    finally:
+        os.close(holding)
+        other.kill()
+        other.wait(10)
 
 
 def test_fresh_moves_an_earlier_output_aside_and_deletes_nothing(tmp_path, run_module) -> None:

@@ -147,6 +147,9 @@ from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
 )
 
 POLL_S = 0.05
+# How long a start refused by another start waits for that one to write its trainer's PID into the
+# lock (it starts the trainer between taking the lock and writing it: milliseconds).
+STARTING_WAIT_S = 10.0
 
 
 def keep_earlier_log(path: str) -> str | None:
@@ -180,7 +183,7 @@ def take_output_lock(module: AnsibleModule) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        holder = lock_holder(out)
+        holder = started_holder(out)
         record = read_record(out) or {}
         what = (
             f" (run {record.get('run_id')}, started {record.get('started_at')})"
@@ -195,7 +198,24 @@ def take_output_lock(module: AnsibleModule) -> int:
             ),
             holder=holder,
         )
+    # Emptied until the trainer's PID is written (write_lock_pid): a start refused meanwhile waits
+    # for it, rather than naming an earlier run's PID or this module's process.
+    os.ftruncate(fd, 0)
     return fd
+
+
+def started_holder(out: str, wait_s: float = STARTING_WAIT_S) -> int | None:
+    """The PID that holds the output's lock; while another start has taken the lock and not yet
+    written its trainer's PID (the lock file empty), waited for, at most wait_s."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if lock_path(out).read_text(encoding="ascii").strip():
+                break
+        except OSError:
+            break
+        time.sleep(POLL_S)
+    return lock_holder(out)
 
 
 def recorded(out: str | None, pid: int) -> dict | None:
