@@ -1,13 +1,14 @@
 """Checkpoint write: the product's writer (the state copied into host buffers kept from the last
-checkpoint, then torch.save streamed to disk, SHA-256 on a second thread) against the same writer
-hashing in line, and the disk's own rate for as many bytes, side by side; on a GPU also the copy
-into fresh pinned buffers (a run's first checkpoint), into reused pageable ones, and torch.save
-straight from the device. Then a load in a fresh process each way: the product's (the payload a
-view of the file's bytes) and with the payload copied out of them as a slice (what the loader did
-before), time and peak RSS. Last, what a checkpoint costs a training loop (a stand-in: matmuls on
---device, the result read every step): through the product's CheckpointWriter in the background
-(train.async_checkpoints, the default) and in line, the loop's pause, the write's own time, and the
-loop's step time while the write runs beside it against without one.
+checkpoint, then torch.save streamed to disk, its pieces hashed on two threads) against the same
+writer hashing in line, and the disk's own rate for as many bytes, side by side; on a GPU also the
+copy into fresh pinned buffers (a run's first checkpoint), into reused pageable ones, and torch.save
+straight from the device. Then a load in a fresh process each way: the product's (the pieces read
+and hashed on several threads, the payload mapped) and a checkpoint of format 1 (the file's bytes
+read, one SHA-256 stream beside the unpacking, which copies the tensors out), time and peak memory
+(VmHWM: this process's own, from its exec on). Last, what a checkpoint costs a training loop (a
+stand-in: matmuls on --device, the result read every step): through the product's CheckpointWriter
+in the background (train.async_checkpoints, the default) and in line, the loop's pause, the
+write's own time, and the loop's step time while the write runs beside it against without one.
 
     python bench/checkpoint_bench.py [--gib 1.5] [--repeats 2] [--dir DIR] [--device cuda] [--no-load]
         [--no-pause]
@@ -22,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -53,34 +52,43 @@ def raw_write(directory: Path, size: int) -> float:
     return took
 
 
-def load_in_this_process(how: str, path: str) -> None:
-    """One load of `path`, then its time and this process's peak RSS as one line."""
+def load_in_this_process(path: str) -> None:
+    """One load of `path` (of either format), then its time and this process's peak RSS as one line."""
     began = time.monotonic()
-    if how == "view":
-        state = checkpoint.load_checkpoint(Path(path))
-    else:  # the payload sliced out of the file's bytes, as the loader did before
-        raw = checkpoint.read_checkpoint_bytes(Path(path))
-        digest, length, payload = raw[len(checkpoint.MAGIC) :].split(b"\n", 2)
-        assert len(payload) == int(length) and hashlib.sha256(payload).hexdigest().encode() == digest
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    state = checkpoint.load_checkpoint(Path(path))
     took = time.monotonic() - began
     assert state["weights"]
-    print(f"{took:.2f} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f}")
+    status = Path("/proc/self/status").read_text().splitlines()
+    peak_kib = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
+    print(f"{took:.2f} {int(peak_kib) / 2**20:.2f}")
+
+
+def format_1_copy(path: Path) -> Path:
+    """The same payload as a checkpoint of format 1 wrote it: a header with one SHA-256, then the payload."""
+    raw = path.read_bytes()[: -checkpoint.SEAL_BYTES]
+    legacy = path.with_name("format1.pt")
+    header = checkpoint.LEGACY_MAGIC + hashlib.sha256(raw).hexdigest().encode() + b"\n"
+    legacy.write_bytes(header + str(len(raw)).zfill(checkpoint.DIGITS).encode() + b"\n" + raw)
+    return legacy
 
 
 def load_rows(directory: Path, state: dict, repeats: int) -> None:
     path = checkpoint.save_checkpoint(directory, 1, {"weights": [t.cpu() for t in state["weights"]]})
     size = path.stat().st_size / 1e9
-    for how, name in (("view", "the payload a view"), ("copy", "the payload a copy")):
-        child = [sys.executable, __file__, "--load-child", how, str(path)]
+    legacy = format_1_copy(path)
+    rows = (("the product", path), ("format 1", legacy))
+    for name, file in rows:
+        child = [sys.executable, __file__, "--load-child", str(file)]
         runs = []
         for _ in range(repeats):
             runs.append(subprocess.run(child, check=True, capture_output=True, text=True).stdout.split())
         seconds = statistics.median(float(took) for took, _ in runs)
         peak = max(float(rss) for _, rss in runs)
         label = f"load, {name}"
-        print(f"{label:>24}: median {seconds:6.2f} s, peak RSS {peak:.2f} GiB ({peak / size:.1f}x the file)")
+        ratio = f"{peak / size:.1f}x the file"
+        print(f"{label:>24}: median {seconds:6.2f} s, peak memory {peak:.2f} GiB ({ratio})")
     path.unlink()
+    legacy.unlink()
 
 
 def pause_rows(directory: Path, state: dict, device: str, repeats: int) -> None:
@@ -119,10 +127,10 @@ def pause_rows(directory: Path, state: dict, device: str, repeats: int) -> None:
 
 
 def write_variants(state: dict, device: str) -> dict:
-    """name -> (repeat -> (the host staging to copy through or None, the writer's overlap size)).
+    """name -> (repeat -> (the host staging to copy through or None, the writer's hashing threads)).
     The reused stagings copy once here (a run's first checkpoint); on a CPU the state is on the
     host already and staging copies nothing."""
-    overlapped, in_line = checkpoint.HashingWriter.OVERLAP_BYTES, 1 << 62
+    overlapped, in_line = checkpoint.WRITE_HASH_THREADS, 0
     kept = checkpoint.HostStaging(pin=True)
     kept.to_host(state)
     variants = {
@@ -142,7 +150,7 @@ def write_variants(state: dict, device: str) -> dict:
 
 def main() -> int:
     if sys.argv[1:2] == ["--load-child"]:
-        load_in_this_process(sys.argv[2], sys.argv[3])
+        load_in_this_process(sys.argv[2])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=1.5)
@@ -160,20 +168,20 @@ def main() -> int:
     rows: dict[str, list[float]] = {name: [] for name in [*variants, "disk alone"]}
     copies: dict[str, list[float]] = {name: [] for name in variants}
     size = 0
-    overlapped = checkpoint.HashingWriter.OVERLAP_BYTES
+    overlapped = checkpoint.WRITE_HASH_THREADS
     try:
         checkpoint.save_checkpoint(directory, 0, state).unlink()  # a first write warms the file system
         for repeat in range(args.repeats):
             # Each variant goes first in every other repeat: the write after another differs.
             for name in list(variants) if repeat % 2 == 0 else list(variants)[::-1]:
                 staging, overlap = variants[name](repeat)
-                checkpoint.HashingWriter.OVERLAP_BYTES = overlap
+                checkpoint.WRITE_HASH_THREADS = overlap
                 began = time.monotonic()
                 staged = staging.to_host(state) if staging else state
                 copies[name].append(time.monotonic() - began)
                 path = checkpoint.save_checkpoint(directory, repeat, staged)
                 rows[name].append(time.monotonic() - began)
-                checkpoint.HashingWriter.OVERLAP_BYTES = overlapped
+                checkpoint.WRITE_HASH_THREADS = overlapped
                 size = path.stat().st_size
                 path.unlink()
             rows["disk alone"].append(raw_write(directory, size))
@@ -189,7 +197,7 @@ def main() -> int:
         if not args.no_load:
             load_rows(directory, state, args.repeats)
     finally:
-        checkpoint.HashingWriter.OVERLAP_BYTES = overlapped
+        checkpoint.WRITE_HASH_THREADS = overlapped
         shutil.rmtree(directory, ignore_errors=True)
     return 0
 

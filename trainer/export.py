@@ -36,8 +36,7 @@ from .run.checkpoint import (
     CheckpointError,
     checkpoint_path,
     list_checkpoints,
-    read_checkpoint_bytes,
-    verified_checkpoint,
+    read_verified,
 )
 from .run.runrecord import jsonl_rows
 
@@ -94,9 +93,8 @@ def read_source(step: int, path: Path) -> Source:
     from .run.resume import CHECKPOINT_FORMAT
 
     try:
-        raw = read_checkpoint_bytes(path)
-        digest, state = verified_checkpoint(raw, path)
-        del raw
+        loaded = read_verified(path)
+        digest, state = loaded.digest, loaded.state
     except CheckpointError as exc:
         raise ExportError(f"{exc}; pick another step with --step") from None
     except Exception as exc:  # torch.load of a payload that is not a trainer state

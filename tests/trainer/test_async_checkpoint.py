@@ -27,9 +27,9 @@ from trainer.run.checkpoint import (
     CheckpointWriter,
     HostStaging,
     Written,
-    header_digest,
     list_checkpoints,
     load_checkpoint,
+    recorded_digest,
     save_checkpoint,
 )
 from trainer.run.train import Run
@@ -244,7 +244,7 @@ def test_older_checkpoints_are_pruned_only_once_the_new_one_is_on_disk_and_never
     assert run.out.lines[1].startswith("checkpoint step 3: training paused ")
     assert " GiB written in " in run.out.lines[1]
     assert run.out.lines[1].endswith("kept steps 1, 3; removed steps 2")
-    assert header_digest(directory / "step_00000003.pt") is not None
+    assert recorded_digest(directory / "step_00000003.pt") is not None
 
 
 def test_a_lost_background_write_prunes_nothing_and_says_training_goes_on(tmp_path, monkeypatch):

@@ -9,18 +9,22 @@ import pytest
 import torch
 
 from trainer.cli import main
+from trainer.run import checkpoint as ckpt
 from trainer.run.checkpoint import (
+    LEGACY_MAGIC,
+    SEAL_BYTES,
+    SEAL_MAGIC,
     CheckpointError,
     HostStaging,
-    ViewReader,
     available_host_memory,
     checkpoint_from_bytes,
-    header_digest,
     list_checkpoints,
     load_checkpoint,
     map_device_tensors,
+    prune_checkpoints,
+    read_verified,
+    recorded_digest,
     save_checkpoint,
-    split_checkpoint,
 )
 
 pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
@@ -42,19 +46,85 @@ def test_bytes_received_from_another_rank_are_verified_like_a_file(tmp_path):
     """What rank 0 sends on --resume: the file's bytes, checked against the digest it announced."""
     path = save_checkpoint(tmp_path, 3, _state())
     raw = path.read_bytes()
-    digest = header_digest(path)
-    assert digest == hashlib.sha256(raw.split(b"\n", 3)[3]).hexdigest(), (
-        "the header names the payload's SHA-256"
-    )
+    digest = recorded_digest(path)
+    assert digest == _pieces_digest(raw[:-SEAL_BYTES], ckpt.PIECE_BYTES), "the seal names the payload"
     assert checkpoint_from_bytes(raw, "received", digest)["step"] == 7
     other = save_checkpoint(tmp_path, 4, {**_state(), "step": 8})
     with pytest.raises(CheckpointError, match="is another checkpoint"):
         checkpoint_from_bytes(other.read_bytes(), "received", digest)
     with pytest.raises(CheckpointError, match="truncated"):
         checkpoint_from_bytes(raw[:-10], "received", digest)
-    assert header_digest(tmp_path / "step_00000099.pt") is None
+    with pytest.raises(CheckpointError, match="truncated"):
+        checkpoint_from_bytes(raw[:100] + raw[200:], "received", digest)
+    assert recorded_digest(tmp_path / "step_00000099.pt") is None
     (tmp_path / "foreign.pt").write_bytes(b"not a checkpoint at all")
-    assert header_digest(tmp_path / "foreign.pt") is None
+    assert recorded_digest(tmp_path / "foreign.pt") is None
+
+
+def _pieces_digest(payload: bytes, piece: int) -> str:
+    """The seal's digest computed here on its own: SHA-256 over each piece's SHA-256, in order."""
+    pieces = [hashlib.sha256(payload[at : at + piece]).digest() for at in range(0, len(payload), piece)]
+    return hashlib.sha256(b"".join(pieces)).hexdigest()
+
+
+@pytest.mark.parametrize("write_threads", [0, 2])
+def test_the_payload_starts_the_file_and_its_seal_ends_it(tmp_path, monkeypatch, write_threads):
+    """Pieces of 1,000 bytes, so that a tensor's storage spans many and torch.save's small records
+    fall across their edges: the digest is the same whether pieces are hashed on threads or in line,
+    and equals one computed from the file alone; the payload is a plain torch file."""
+    monkeypatch.setattr(ckpt, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(ckpt, "WRITE_HASH_THREADS", write_threads)
+    path = save_checkpoint(tmp_path, 5, _state())
+    raw = path.read_bytes()
+    seal = raw[-SEAL_BYTES:]
+    assert seal.startswith(SEAL_MAGIC) and seal.endswith(b"\n")
+    digest, length, piece = seal[len(SEAL_MAGIC) :].split(b"\n")[:3]
+    assert (int(length), int(piece)) == (len(raw) - SEAL_BYTES, 1000)
+    assert digest.decode() == _pieces_digest(raw[:-SEAL_BYTES], 1000) == recorded_digest(path)
+    assert len(raw) // 1000 > 4, "the state spans several pieces"
+    plain = tmp_path / "plain.pt"
+    plain.write_bytes(raw[:-SEAL_BYTES])
+    assert torch.equal(torch.load(plain, weights_only=True)["weights"], _state()["weights"])
+
+
+def test_a_checkpoint_s_tensors_outlive_its_file(tmp_path):
+    """The payload is mapped, not copied: the state stays whole when the file is pruned after it
+    was read (a resume's state, the run's next checkpoints removing the one it came from)."""
+    path = save_checkpoint(tmp_path, 1, _state())
+    loaded = read_verified(path)
+    save_checkpoint(tmp_path, 2, _state())
+    assert prune_checkpoints(tmp_path, 1, set()) == [1] and not path.exists()
+    assert torch.equal(loaded.state["weights"], torch.arange(1000, dtype=torch.float32))
+    assert loaded.threads >= 1 and "read and checksummed in" in loaded.cost()
+
+
+def _format_1_file(path, state) -> bytes:
+    """A checkpoint as format 1 wrote it: the header (magic, the payload's SHA-256, its length
+    zero-padded to 20 digits), then the payload."""
+    payload_path = path.with_suffix(".payload")
+    torch.save(state, payload_path)
+    payload = payload_path.read_bytes()
+    payload_path.unlink()
+    digest = hashlib.sha256(payload).hexdigest().encode()
+    path.write_bytes(LEGACY_MAGIC + digest + b"\n" + str(len(payload)).zfill(20).encode() + b"\n" + payload)
+    return payload
+
+
+def test_a_checkpoint_of_format_1_still_loads_and_is_still_verified(tmp_path):
+    path = tmp_path / "step_00000004.pt"
+    payload = _format_1_file(path, _state())
+    loaded = read_verified(path)
+    assert loaded.legacy and loaded.digest == hashlib.sha256(payload).hexdigest() == recorded_digest(path)
+    assert torch.equal(loaded.state["weights"], _state()["weights"]) and "(format 1)" in loaded.cost()
+    assert checkpoint_from_bytes(path.read_bytes(), "received", loaded.digest)["step"] == 7
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        load_checkpoint(path)
+    path.write_bytes(bytes(raw[:-10]))
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_checkpoint(path)
 
 
 def test_truncated_checkpoint_rejected(tmp_path):
@@ -67,17 +137,18 @@ def test_truncated_checkpoint_rejected(tmp_path):
 
 @pytest.mark.parametrize("where", ["the archive's directory", "a tensor's bytes"])
 def test_flipped_byte_rejected(tmp_path, where):
-    """Unpacked while it is hashed: bytes that do not unpack, and bytes that unpack into other
-    values, are both refused by the checksum, and no state is handed over."""
+    """Bytes that do not unpack, and bytes that unpack into other values, are both refused by the
+    checksum, and no state is handed over."""
     path = save_checkpoint(tmp_path, 1, _state())
     raw = bytearray(path.read_bytes())
     if where == "a tensor's bytes":
         at = raw.index(torch.arange(1000, dtype=torch.float32)[500:502].numpy().tobytes())
         raw[at] ^= 0x01
-        with ViewReader(split_checkpoint(bytes(raw), "flipped", checksum=False)[1]) as reader:
-            assert torch.load(reader, weights_only=True)["weights"][500] != 500.0  # it unpacks, wrong
+        flipped = tmp_path / "flipped.pt"
+        flipped.write_bytes(bytes(raw[:-SEAL_BYTES]))
+        assert torch.load(flipped, weights_only=True)["weights"][500] != 500.0  # it unpacks, wrong
     else:
-        raw[-100] ^= 0x01
+        raw[-SEAL_BYTES - 100] ^= 0x01
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="fails its checksum"):
         load_checkpoint(path)
@@ -86,7 +157,7 @@ def test_flipped_byte_rejected(tmp_path, where):
 def test_foreign_file_rejected(tmp_path):
     path = tmp_path / "step_00000001.pt"
     torch.save(_state(), path)  # a plain torch file, not ours
-    with pytest.raises(CheckpointError, match="bad header"):
+    with pytest.raises(CheckpointError, match="no seal at its end: it is truncated, or not a checkpoint"):
         load_checkpoint(path)
 
 
@@ -216,15 +287,28 @@ def test_a_resumed_launch_records_the_stretches_so_far_from_its_start(tmp_path, 
 
 
 def _large_state():
-    """Tensors of 4 MiB: torch.save writes each in one piece, hashed on the second thread."""
+    """Tensors of 4 MiB: torch.save writes each in one piece."""
     return {"step": 9, "weights": [torch.arange(1 << 20, dtype=torch.float32) + i for i in range(3)]}
 
 
-def test_large_writes_are_hashed_beside_the_write_and_the_header_names_their_sha256(tmp_path):
+def test_whole_pieces_of_large_writes_are_hashed_on_threads_and_the_seal_names_their_digest(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(ckpt, "PIECE_BYTES", 1 << 20)
+    on_threads = []
+    real_digest = ckpt.piece_digest
+
+    def digest_noting_its_thread(data):
+        on_threads.append(threading.current_thread().name)
+        return real_digest(data)
+
+    monkeypatch.setattr(ckpt, "piece_digest", digest_noting_its_thread)
     path = save_checkpoint(tmp_path, 9, _large_state())
-    payload = path.read_bytes().split(b"\n", 3)[3]
+    payload = path.read_bytes()[:-SEAL_BYTES]
     assert len(payload) > 12 << 20
-    assert header_digest(path) == hashlib.sha256(payload).hexdigest()
+    assert recorded_digest(path) == _pieces_digest(payload, 1 << 20)
+    # each storage of 4 MiB holds three whole pieces at least (its first and last parts go in line)
+    assert sum(name.startswith("checkpoint-hash") for name in on_threads) >= 9
     loaded = load_checkpoint(path)
     assert all(torch.equal(a, b) for a, b in zip(loaded["weights"], _large_state()["weights"], strict=True))
 
@@ -268,14 +352,15 @@ def test_a_full_disk_during_a_large_write_leaves_no_file_and_no_hashing_thread(t
     assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-hash")]
 
 
-def test_a_header_with_an_unpadded_length_reads_as_before(tmp_path):
-    """Checkpoints whose header gives the payload length without leading zeros load the same."""
-    path = save_checkpoint(tmp_path, 7, _state())
+def test_a_format_1_header_with_an_unpadded_length_reads_as_before(tmp_path):
+    """Early checkpoints gave the payload length without leading zeros: they load the same."""
+    path = tmp_path / "step_00000007.pt"
+    _format_1_file(path, _state())
     magic, digest, length, payload = path.read_bytes().split(b"\n", 3)
     assert length.startswith(b"0")
     path.write_bytes(b"\n".join([magic, digest, str(int(length)).encode(), payload]))
     assert torch.equal(load_checkpoint(path)["weights"], _state()["weights"])
-    assert header_digest(path) == digest.decode()
+    assert recorded_digest(path) == digest.decode()
 
 
 def test_host_staging_leaves_a_host_state_as_it_is():

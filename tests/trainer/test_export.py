@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from trainer.data.embedded import embedded_dir
 from trainer.export import ExportError, export
-from trainer.run.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from trainer.run.checkpoint import SEAL_BYTES, checkpoint_path, load_checkpoint, save_checkpoint
 
 from .conftest import EXPORT_RUN_EVAL, EXPORT_RUN_STEPS, REPO
 
@@ -89,7 +89,7 @@ def test_export_of_a_chosen_step_in_a_chosen_dtype(trained_run, tmp_path):
 def test_the_newest_valid_checkpoint_is_taken_and_a_damaged_one_named(run_copy, tmp_path):
     newest = checkpoint_path(run_copy / "checkpoints", LAST)
     data = bytearray(newest.read_bytes())
-    data[-10] ^= 0xFF
+    data[-SEAL_BYTES - 10] ^= 0xFF  # in the payload, before the seal
     newest.write_bytes(bytes(data))
     assert export(run_copy, tmp_path / "a")["step"] == FIRST
     result = run_export(run_copy, tmp_path / "b", "--step", LAST)
@@ -103,7 +103,7 @@ def test_the_newest_valid_checkpoint_is_taken_and_a_damaged_one_named(run_copy, 
     [
         ("empty", "no checkpoint in"),
         ("missing-step", "no checkpoint of step 7 in"),
-        ("foreign-file", "is not a trainer checkpoint (bad header)"),
+        ("foreign-file", "has no seal at its end: it is truncated, or not a checkpoint this trainer wrote"),
         ("other-drafter", "does not match a drafter of its own config"),
         ("no-mask-token", "the run recorded no mask token id"),
     ],

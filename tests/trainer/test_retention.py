@@ -11,7 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.run.checkpoint import LENGTH_DIGITS, MAGIC, list_checkpoints, load_checkpoint, prune_checkpoints
+from trainer.run.checkpoint import (
+    SEAL_BYTES,
+    SEAL_MAGIC,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+)
 from trainer.run.checkpoint import save_checkpoint as save
 from trainer.run.train import Run
 
@@ -83,11 +89,11 @@ def test_bad_retention_and_clock_values_are_refused_by_name(setting, said):
 
 
 @pytest.mark.unit
-def test_the_header_has_a_fixed_size_and_names_the_streamed_payload(tmp_path):
+def test_the_seal_has_a_fixed_size_and_names_the_streamed_payload(tmp_path):
     path = save(tmp_path, 7, {"weights": torch.arange(5000, dtype=torch.float32)})
     raw = path.read_bytes()
-    header_size = len(MAGIC) + 65 + LENGTH_DIGITS + 1
-    assert int(raw[len(MAGIC) + 65 : header_size - 1]) == len(raw) - header_size
+    assert raw[-SEAL_BYTES:].startswith(SEAL_MAGIC)
+    assert int(raw[-SEAL_BYTES:].split(b"\n")[2]) == len(raw) - SEAL_BYTES
     assert torch.equal(load_checkpoint(path)["weights"], torch.arange(5000, dtype=torch.float32))
 
 

@@ -356,7 +356,7 @@ def test_sharded_run_stops_and_resumes_exactly_sharded_or_not(tmp_path, cache_di
     said = capsys.readouterr().out
     assert "resumed from" in said
     # where the read's time went, after each resume line
-    read = r"checkpoint read: step_00000003\.pt, [\d.]+ GiB read from disk in [\d.]+ s, checksummed and"
+    read = r"checkpoint read: step_00000003\.pt, [\d.]+ GiB read and checksummed in [\d.]+ s on \d+ threads, "
     assert len(re.findall(read, said)) == 2, said[-3000:]
     want = _losses(straight)
     assert _losses(interrupted) == want  # bit-for-bit the same losses at every step

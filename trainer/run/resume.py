@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,12 +39,12 @@ from ..data.rows import Loader
 from ..parallel.sharding import load_optimizer_state, optimizer_state, wait_for_parameters
 from .checkpoint import (
     CheckpointError,
+    Loaded,
     checkpoint_from_bytes,
-    header_digest,
     list_checkpoints,
-    load_checkpoint,
     read_checkpoint_bytes,
-    verified_checkpoint,
+    read_verified,
+    recorded_digest,
 )
 
 CHECKPOINT_FORMAT = 1
@@ -182,20 +181,13 @@ class ResumePoint:
     cost: str = ""  # rank 0's read of it: its size, the read from disk, the checksum and unpacking
 
 
-def read_cost(size: int, read_s: float, unpack_s: float) -> str:
-    return (
-        f"{size / 2**30:.2f} GiB read from disk in {read_s:.1f} s, checksummed and unpacked side by "
-        f"side in {unpack_s:.1f} s"
-    )
-
-
 def find_resume_point(cfg: Config, out_dir: Path, world) -> ResumePoint | None:
     """The checkpoint --resume continues from, verified and checked on every rank; None: start at
     step 0. A collective when there are several ranks."""
     directory = out_dir / "checkpoints"
     if world.world_size == 1:
         return _newest_of_this_host(cfg, directory)
-    chosen, problem, raw, state, cost = _rank0_choice(directory, world)
+    chosen, problem, state, cost = _rank0_choice(directory, world)
     if problem is not None:
         raise BadInput(problem if world.is_lead else f"rank 0: {problem}")
     if chosen is None:
@@ -206,7 +198,8 @@ def find_resume_point(cfg: Config, out_dir: Path, world) -> ResumePoint | None:
         state, how = _own_copy(directory / name, digest)
     problems: list[str] = []
     if any(world.gather(state is None)):
-        received = world.broadcast_bytes(raw if world.is_lead else None)
+        # rank 0's file again: from the page cache its own read just filled
+        received = world.broadcast_bytes(read_checkpoint_bytes(Path(lead_path)) if world.is_lead else None)
         if state is None:
             try:
                 state = checkpoint_from_bytes(received, f"{lead_path} (received from rank 0)", digest)
@@ -214,7 +207,6 @@ def find_resume_point(cfg: Config, out_dir: Path, world) -> ResumePoint | None:
             except CheckpointError as exc:
                 problems.append(str(exc))
         del received
-    del raw
     if state is not None:
         try:
             check_resumable(state, cfg, Path(lead_path))
@@ -229,46 +221,41 @@ def _newest_of_this_host(cfg: Config, directory: Path) -> ResumePoint | None:
     if not checkpoints:
         return None
     path = checkpoints[-1][1]
+    loaded = _read_newest(path)
+    check_resumable(loaded.state, cfg, path)
+    return ResumePoint(loaded.state, path, cost=loaded.cost())
+
+
+def _read_newest(path: Path) -> Loaded:
     try:
-        began = time.perf_counter()
-        raw = read_checkpoint_bytes(path)
-        read = time.perf_counter()
-        state = verified_checkpoint(raw, path)[1]
-        cost = read_cost(len(raw), read - began, time.perf_counter() - read)
-        del raw
+        return read_verified(path)
     except CheckpointError as exc:
         raise BadInput(f"{exc}; move it aside to resume from the one before it") from None
-    check_resumable(state, cfg, path)
-    return ResumePoint(state, path, cost=cost)
 
 
 def _rank0_choice(directory: Path, world):
     """Rank 0's newest checkpoint (name, path, digest) or its problem, on every rank; rank 0 also
-    keeps the file's bytes and state."""
-    raw, state, chosen, problem, cost = None, None, None, None, ""
+    keeps the state and what its read cost."""
+    state, chosen, problem, cost = None, None, None, ""
     if world.is_lead:
         checkpoints = list_checkpoints(directory)
         if checkpoints:
             path = checkpoints[-1][1]
             try:
-                began = time.perf_counter()
-                raw = read_checkpoint_bytes(path)
-                read = time.perf_counter()
-                digest, state = verified_checkpoint(raw, path)
-                cost = read_cost(len(raw), read - began, time.perf_counter() - read)
-                chosen = (path.name, str(path), digest)
-            except CheckpointError as exc:
-                problem = f"{exc}; move it aside to resume from the one before it"
+                loaded = _read_newest(path)
+                state, cost, chosen = loaded.state, loaded.cost(), (path.name, str(path), loaded.digest)
+            except BadInput as exc:
+                problem = str(exc)
     chosen, problem = world.gather((chosen, problem))[0]
-    return chosen, problem, raw, state, cost
+    return chosen, problem, state, cost
 
 
 def _own_copy(path: Path, digest: str) -> tuple[dict | None, str]:
     """This host's copy of rank 0's checkpoint, when it is the same file; else (None, "")."""
-    if header_digest(path) != digest:
+    if recorded_digest(path) != digest:
         return None, ""
     try:
-        return load_checkpoint(path), f"this host's copy {path}"
+        return read_verified(path, digest).state, f"this host's copy {path}"
     except CheckpointError:
         return None, ""  # a damaged copy here: take rank 0's
 
