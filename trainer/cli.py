@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None, began: float | None = None) -> int:
     quiet_repeated_torch_warnings()
 
     out_dir = Path(args.out or f"runs/{args.run}").expanduser().absolute()
+    checking = time.perf_counter()
     try:
         cfg = load_config(args.run, args.config, args.sets, args.steps, args.seed)
         # Preparing the data leaves checkpoints alone: an output holding some is no problem then.
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None, began: float | None = None) -> int:
         from .regen import regenerate
 
         return guarded(out_dir, lambda: regenerate(cfg, out_dir, None))
+    checked_s = time.perf_counter() - checking
     from .run.train import train
 
-    return guarded(out_dir, lambda: train(cfg, out_dir, args.resume, began))
+    return guarded(out_dir, lambda: train(cfg, out_dir, args.resume, began, checked_s))

@@ -48,7 +48,7 @@ def test_a_part_is_timed_also_when_it_raises():
 
 
 def test_an_unknown_part_is_refused_by_name():
-    with pytest.raises(ValueError, match="no startup part 'warmup'; the parts are imports and config"):
+    with pytest.raises(ValueError, match="no startup part 'warmup'; the parts are imports, config and"):
         StartupClock(0.0).add("warmup", 1.0)
 
 
@@ -137,3 +137,19 @@ def test_a_target_load_beside_the_resume_raises_its_error_where_the_target_is_ne
     assert load.result(tmp_path / "other", torch.device("cpu")) is None, "another target: loaded in line"
     with pytest.raises(OSError, match="no model in"):
         load.result(tmp_path, torch.device("cpu"))
+
+
+def test_the_graphs_dynamo_compiled_in_a_part_are_counted_and_said():
+    """A warm start whose first step still compiles says so: the part and how many graphs."""
+    import torch
+
+    clock = StartupClock(time.perf_counter())
+    with clock.part("compile and warm-up"):
+        compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
+        compiled(torch.ones(3))
+    with clock.part("state restore"):
+        pass
+    assert clock.graphs == {"compile and warm-up": 1}
+    line = describe(clock.breakdown(), resumed=False, graphs=clock.graphs)
+    assert line.endswith("; Dynamo compiled graphs (or took them from its cache): 1 in compile and warm-up")
+    assert "Dynamo" not in describe(clock.breakdown(), resumed=False)

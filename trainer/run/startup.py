@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Iterator
 
 ORDER = (
-    "imports and config",
+    "imports",
+    "config and machine check",
     "workers placed",
     "checkpoint read",
     "target load",
@@ -34,7 +36,14 @@ class StartupClock:
     def __init__(self, began: float):
         self.began = began
         self.seconds: dict[str, float] = {}
+        self.graphs: dict[str, int] = {}  # graphs Dynamo compiled (or loaded from its cache) in a part
         self.reported = False
+
+    def count_graphs(self, name: str, before: int) -> None:
+        """Note the graphs Dynamo compiled in part `name` since it had compiled `before`
+        (compiled_graphs()): a part that compiles where a warm start should not names the cause."""
+        if compiled_graphs() > before:
+            self.graphs[name] = self.graphs.get(name, 0) + compiled_graphs() - before
 
     def add(self, name: str, seconds: float) -> None:
         if name not in ORDER:
@@ -43,11 +52,12 @@ class StartupClock:
 
     @contextlib.contextmanager
     def part(self, name: str) -> Iterator[None]:
-        began = time.perf_counter()
+        began, graphs = time.perf_counter(), compiled_graphs()
         try:
             yield
         finally:
             self.add(name, time.perf_counter() - began)
+            self.count_graphs(name, graphs)
 
     def breakdown(self, now: float | None = None) -> dict[str, float]:
         """{part: seconds, ..., "other": the rest, "total": entry to now}, rounded to 0.01 s; the
@@ -59,14 +69,19 @@ class StartupClock:
         return {name: round(seconds, 2) for name, seconds in parts.items()}
 
 
-def describe(breakdown: dict[str, float], resumed: bool) -> str:
+def describe(breakdown: dict[str, float], resumed: bool, graphs: dict[str, int] | None = None) -> str:
     """One log line: `startup: 86.4 s from the trainer's start to the first step: target load 20.1 s, ...`;
-    the parts as printed add up to the total as printed."""
+    the parts as printed add up to the total as printed. `graphs`: the graphs Dynamo compiled in a
+    part (StartupClock.graphs), said after the parts."""
     what = "a resume" if resumed else "a start"
     total = round(breakdown["total"] * 10)
     tenths = in_tenths({name: seconds for name, seconds in breakdown.items() if name != "total"}, total)
     parts = ", ".join(f"{name} {count / 10:.1f} s" for name, count in tenths.items())
-    return f"startup: {total / 10:.1f} s from the trainer's start to the first step ({what}): {parts}"
+    line = f"startup: {total / 10:.1f} s from the trainer's start to the first step ({what}): {parts}"
+    if graphs:
+        counted = ", ".join(f"{count} in {name}" for name, count in graphs.items())
+        line += f"; Dynamo compiled graphs (or took them from its cache): {counted}"
+    return line
 
 
 def in_tenths(seconds: dict[str, float], total: int) -> dict[str, int]:
@@ -78,3 +93,10 @@ def in_tenths(seconds: dict[str, float], total: int) -> dict[str, int]:
     for name in by_remainder[: max(0, total - sum(counts.values()))]:
         counts[name] += 1
     return counts
+
+
+def compiled_graphs() -> int:
+    """The graphs Dynamo has compiled in this process so far (0 before torch._dynamo is imported:
+    importing it here would cost seconds of a start)."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    return int(dynamo_utils.counters["stats"]["unique_graphs"]) if dynamo_utils is not None else 0

@@ -59,7 +59,7 @@ from .resume import (
     this_shape,
 )
 from .sinks import Output, open_output
-from .startup import StartupClock
+from .startup import StartupClock, compiled_graphs
 from .startup import describe as describe_startup
 
 __all__ = ["BadInput", "Diverged", "train"]  # the command line turns both into exit status 2
@@ -146,11 +146,15 @@ def place_workers(cfg: Config) -> Placement:
     return Placement(devices, world, len(devices), this_shape(cfg, len(devices), world))
 
 
-def train(cfg: Config, out_dir: Path, resume: bool, began: float | None = None) -> int:
+def train(
+    cfg: Config, out_dir: Path, resume: bool, began: float | None = None, checked_s: float = 0.0
+) -> int:
     """Run training to the end or to a signal. Returns the exit code. `began`: time.perf_counter()
-    at the trainer's entry, where the startup breakdown counts from (this call otherwise)."""
+    at the trainer's entry, where the startup breakdown counts from (this call otherwise);
+    `checked_s`: of the time since, the config's loading and the machine's check."""
     clock = StartupClock(time.perf_counter() if began is None else began)
-    clock.add("imports and config", time.perf_counter() - clock.began)
+    clock.add("config and machine check", checked_s)
+    clock.add("imports", time.perf_counter() - clock.began - checked_s)
     with clock.part("workers placed"):
         place = place_workers(cfg)
     try:
@@ -545,9 +549,9 @@ class Run:
         run record's `startup` (a resume's replaces the start's; the log keeps both)."""
         if self.startup is None:
             return
-        breakdown = self.startup.breakdown()
-        self.startup = None
-        self.out.line(describe_startup(breakdown, self.resumed))
+        clock, self.startup = self.startup, None
+        breakdown = clock.breakdown()
+        self.out.line(describe_startup(breakdown, self.resumed, clock.graphs))
         if self.world.local_rank == 0:
             runrecord.note(self.out_dir, startup={"resumed": self.resumed, "seconds": breakdown})
 
@@ -838,7 +842,7 @@ def training_loop(run: Run, step: int) -> int:
     run.tau = run.tau if run.tau is not None else run.tau0
     meter = Throughput(total, run.gpus, peak_flops(run.models.replicas[0].device))
     started = step
-    first_step_began = time.perf_counter()
+    first_step_began, graphs_before = time.perf_counter(), compiled_graphs()
     while step < total:
         run.collect_checkpoint()
         if run.world.any(run.stop()):
@@ -859,6 +863,7 @@ def training_loop(run: Run, step: int) -> int:
                 run.diverged(step, f"the loss is {loss}")
         if first and run.startup is not None:
             run.startup.add("first step", time.perf_counter() - first_step_began)
+            run.startup.count_graphs("first step", graphs_before)
         if logs or first:
             run.log_progress(step, loss, meter, row=logs)
         if first:
