@@ -507,3 +507,19 @@ def test_the_device_tensors_of_a_state_are_replaced_in_order_and_the_rest_kept()
     mapped = map_device_tensors(state, lambda tensor: seen.append(tensor.shape[0]) or len(seen))
     assert seen == [3, 1] and mapped == {"a": 1, "b": [host, (2, 7)], "c": "x"}
     assert mapped["b"][0] is host and isinstance(mapped["b"][1], tuple)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("digest", b"z" * 64), ("length", b"x".zfill(20)), ("piece size", b"0".zfill(20))],
+)
+def test_a_damaged_seal_is_refused_by_name(tmp_path, field, value):
+    path = save_checkpoint(tmp_path, 1, _state())
+    raw = path.read_bytes()
+    seal = raw[-SEAL_BYTES:]
+    fields = seal[len(SEAL_MAGIC) :].split(b"\n")
+    fields[["digest", "length", "piece size"].index(field)] = value
+    path.write_bytes(raw[:-SEAL_BYTES] + SEAL_MAGIC + b"\n".join(fields))
+    with pytest.raises(CheckpointError, match="has a damaged seal"):
+        load_checkpoint(path)
+    assert recorded_digest(path) is None
