@@ -17,8 +17,10 @@
 #          (one call, the product's shards and turns as the stage makes them; the file's prompts in
 #          one call). COMPARE_CONVERSATIONS (default 256) in shards of COMPARE_SHARD (default the
 #          product's, 1024); COMPARE_ROWS the bench's rows (default shards,static; shards alone skips
-#          the one-call row's compiles); settings the regeneration is given in EXTRA_SET
-#          (data.regen_*) go to the bench too, in COMPARE_BENCH_ARGS (e.g. --decode-scope layers).
+#          the one-call row's compiles; paged: the product's default engine, every prompt at once);
+#          COMPARE_WARM_PASS=false skips the second regen.yml; settings the regeneration is given in
+#          EXTRA_SET (data.regen_*) go to the bench too, in COMPARE_BENCH_ARGS (e.g. --decode-scope
+#          layers).
 #   warm-compare: compare without its first pass, over the data stage's chat set and compile cache
 #          (after data, train and export: it regenerates the set again, the run's shards replaced by
 #          the same ones).
@@ -343,7 +345,10 @@ stage_lengths() {  # regen_bench with the chat set's own answer lengths, at seve
 stage_compare() {
     CONVERSATIONS=${COMPARE_CONVERSATIONS:-256} build_model
     regen_pass first
-    stage_warm_compare
+    # COMPARE_WARM_PASS=false: the bench straight after the first pass (its own first pass is then
+    # the warm start of a fresh process over the product's cache), for a call that has no time for both
+    if [ "${COMPARE_WARM_PASS:-true}" = true ]; then regen_pass warm; fi
+    stage_bench
 }
 
 # compare's regeneration in shards of COMPARE_SHARD, which the bench is given too; the product's
