@@ -523,3 +523,46 @@ def test_a_damaged_seal_is_refused_by_name(tmp_path, field, value):
     with pytest.raises(CheckpointError, match="has a damaged seal"):
         load_checkpoint(path)
     assert recorded_digest(path) is None
+
+
+def test_a_disk_that_fills_as_the_seal_is_written_leaves_no_file_and_names_the_last_intact_one(
+    tmp_path, monkeypatch
+):
+    """The payload fits, its seal does not: nothing of the new checkpoint stays, the earlier one does."""
+    import errno
+    import pathlib
+
+    from trainer.run.checkpoint import CheckpointWriteError
+
+    save_checkpoint(tmp_path, 1, _state())
+    opened = pathlib.Path.open
+
+    class FullAtTheSeal:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, data):
+            if bytes(data[: len(SEAL_MAGIC)]) == SEAL_MAGIC:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.handle.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    def open_filling(self, mode="r", *args, **kwargs):
+        handle = opened(self, mode, *args, **kwargs)
+        return FullAtTheSeal(handle) if "w" in mode and self.name.endswith(".tmp") else handle
+
+    monkeypatch.setattr(pathlib.Path, "open", open_filling)
+    said = r"No space left on device; the last intact checkpoint is .*step_00000001\.pt \(step 1\)"
+    with pytest.raises(CheckpointWriteError, match=said):
+        save_checkpoint(tmp_path, 2, _state())
+    monkeypatch.undo()
+    assert [path.name for path in tmp_path.iterdir()] == ["step_00000001.pt"]
+    assert load_checkpoint(tmp_path / "step_00000001.pt")["step"] == 7
