@@ -267,11 +267,14 @@ def _refuse_if_any_rank_refuses(problems: list[str], world) -> None:
         raise BadInput(own[0] if own else f"rank {refused[0][0]}: {refused[0][1]}")
 
 
-def restore(state: dict, topology, loader: Loader, seed: int = 0, shape: Shape | None = None) -> None:
+def restore(
+    state: dict, topology, loader: Loader, seed: int = 0, shape: Shape | None = None, built_with: bool = False
+) -> None:
     """Put a checkpoint's state into every replica, the loader and the random generators (each
     worker's re-derived from the seed and step where the worker count changed; `shape`: this run's,
-    by default the checkpoint's own)."""
-    for replica in topology.replicas:
+    by default the checkpoint's own). `built_with`: the drafters were built with the state's weights
+    (load_models' weights), which are not copied to the devices a second time."""
+    for replica in [] if built_with else topology.replicas:
         replica.drafter.load_state_dict(state["drafter"])
     load_optimizer_state(topology.replicas, state["optimizer"])
     for replica in topology.replicas:

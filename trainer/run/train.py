@@ -505,7 +505,8 @@ class Run:
         if resume_from is None:
             return 0
         self.resumed = True
-        restore(state, self.topology, self.loader, self.cfg.train.seed, shape)
+        # load_models built the drafters with the state's weights (train_models)
+        restore(state, self.topology, self.loader, self.cfg.train.seed, shape, built_with=True)
         self.tau0 = state["tau0"] if state["tau0"] >= 0 else None
         self.tau0_step = int(state.get("tau0_step", 0))
         self.out.line(describe_resume(resume_from, shape, self.loader, self.cfg.train.batch_size))
