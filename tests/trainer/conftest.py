@@ -111,3 +111,38 @@ def trained_run(tmp_path_factory, trained_run_embedded) -> Path:
             assert result.returncode == 0, result.stderr
             done.write_text("")
     return out
+
+
+def fill_disk_when(monkeypatch, full) -> None:
+    """A full disk for checkpoints being written (their temporary files): a write fails with ENOSPC
+    where full(data, bytes written to the file before it) says so; other files are left alone."""
+    import errno
+    import pathlib
+
+    opened = pathlib.Path.open
+
+    class Filling:
+        def __init__(self, handle):
+            self.handle, self.written = handle, 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, data):
+            if full(data, self.written):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written += len(data)
+            return self.handle.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    def open_filling(self, mode="r", *args, **kwargs):
+        handle = opened(self, mode, *args, **kwargs)
+        checkpoint_being_written = self.name.startswith(".step_") and self.name.endswith(".tmp")
+        return Filling(handle) if "w" in mode and checkpoint_being_written else handle
+
+    monkeypatch.setattr(pathlib.Path, "open", open_filling)

@@ -34,7 +34,7 @@ from trainer.run.checkpoint import (
 )
 from trainer.run.train import Run
 
-from .conftest import REPO
+from .conftest import REPO, fill_disk_when
 
 pytestmark = pytest.mark.unit
 
@@ -107,35 +107,8 @@ def test_a_host_without_room_for_the_copy_writes_before_training_goes_on(tmp_pat
 
 def _filling_open(monkeypatch, after_bytes: int):
     """Checkpoint temporary files whose writes fail with ENOSPC past `after_bytes` (the record has room)."""
-    import pathlib
-
-    opened = pathlib.Path.open
     room = {"bytes": after_bytes}
-
-    class Filling:
-        def __init__(self, handle):
-            self.handle, self.written = handle, 0
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-        def write(self, data):
-            self.written += len(data)
-            if self.written > room["bytes"]:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return self.handle.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.handle, name)
-
-    def open_filling(self, mode="r", *args, **kwargs):
-        handle = opened(self, mode, *args, **kwargs)
-        return Filling(handle) if "w" in mode and self.name.startswith(".step_") else handle
-
-    monkeypatch.setattr(pathlib.Path, "open", open_filling)
+    fill_disk_when(monkeypatch, lambda data, written: written + len(data) > room["bytes"])
     return room
 
 

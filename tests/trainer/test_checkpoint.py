@@ -27,6 +27,8 @@ from trainer.run.checkpoint import (
     save_checkpoint,
 )
 
+from .conftest import fill_disk_when
+
 pytestmark = pytest.mark.unit  # quick: no playbook run, no training run (./dev.sh fast)
 
 
@@ -314,38 +316,11 @@ def test_whole_pieces_of_large_writes_are_hashed_on_threads_and_the_seal_names_t
 
 
 def test_a_full_disk_during_a_large_write_leaves_no_file_and_no_hashing_thread(tmp_path, monkeypatch):
-    import errno
-    import pathlib
     import threading
 
     from trainer.run.checkpoint import CheckpointWriteError
 
-    opened = pathlib.Path.open
-
-    class FillsAfter4MiB:
-        def __init__(self, handle):
-            self.handle, self.written = handle, 0
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-        def write(self, data):
-            self.written += len(data)
-            if self.written > 4 << 20:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return self.handle.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.handle, name)
-
-    def open_filling(self, mode="r", *args, **kwargs):
-        handle = opened(self, mode, *args, **kwargs)
-        return FillsAfter4MiB(handle) if "w" in mode and self.name.endswith(".tmp") else handle
-
-    monkeypatch.setattr(pathlib.Path, "open", open_filling)
+    fill_disk_when(monkeypatch, lambda data, written: written + len(data) > 4 << 20)
     with pytest.raises(CheckpointWriteError, match="No space left on device"):
         save_checkpoint(tmp_path, 9, _large_state())
     assert list(tmp_path.iterdir()) == []
@@ -529,37 +504,10 @@ def test_a_disk_that_fills_as_the_seal_is_written_leaves_no_file_and_names_the_l
     tmp_path, monkeypatch
 ):
     """The payload fits, its seal does not: nothing of the new checkpoint stays, the earlier one does."""
-    import errno
-    import pathlib
-
     from trainer.run.checkpoint import CheckpointWriteError
 
     save_checkpoint(tmp_path, 1, _state())
-    opened = pathlib.Path.open
-
-    class FullAtTheSeal:
-        def __init__(self, handle):
-            self.handle = handle
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-        def write(self, data):
-            if bytes(data[: len(SEAL_MAGIC)]) == SEAL_MAGIC:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return self.handle.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.handle, name)
-
-    def open_filling(self, mode="r", *args, **kwargs):
-        handle = opened(self, mode, *args, **kwargs)
-        return FullAtTheSeal(handle) if "w" in mode and self.name.endswith(".tmp") else handle
-
-    monkeypatch.setattr(pathlib.Path, "open", open_filling)
+    fill_disk_when(monkeypatch, lambda data, written: bytes(data[: len(SEAL_MAGIC)]) == SEAL_MAGIC)
     said = r"No space left on device; the last intact checkpoint is .*step_00000001\.pt \(step 1\)"
     with pytest.raises(CheckpointWriteError, match=said):
         save_checkpoint(tmp_path, 2, _state())
