@@ -514,3 +514,22 @@ def test_a_disk_that_fills_as_the_seal_is_written_leaves_no_file_and_names_the_l
     monkeypatch.undo()
     assert [path.name for path in tmp_path.iterdir()] == ["step_00000001.pt"]
     assert load_checkpoint(tmp_path / "step_00000001.pt")["step"] == 7
+
+
+def test_the_file_mapped_is_the_file_hashed_even_when_its_name_is_replaced_meanwhile(tmp_path, monkeypatch):
+    """A run resumed before step 1 writes step 1 again while an export reads the old one: the
+    export gets the bytes it verified, never the new file's unverified ones."""
+    path = save_checkpoint(tmp_path, 1, _state())
+    newer = save_checkpoint(tmp_path / "newer", 1, {**_state(), "step": 99})
+    real_digest = ckpt.pieces_digest
+
+    def hash_then_replace(*args):
+        found = real_digest(*args)
+        if newer.exists():  # once: what os.replace does when the trainer saves the same step again
+            newer.replace(path)
+        return found
+
+    monkeypatch.setattr(ckpt, "pieces_digest", hash_then_replace)
+    loaded = read_verified(path)
+    assert loaded.state["step"] == 7
+    assert load_checkpoint(path)["step"] == 99  # the name now holds the newer checkpoint

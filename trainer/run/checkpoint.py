@@ -654,7 +654,10 @@ def read_verified(path: Path, digest: str | None = None) -> Loaded:
             if found != seal.digest:
                 raise corrupt(path)
             hashed = time.perf_counter()
-            state = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
+            # Through the open descriptor, not the name: the file hashed is the file mapped, even
+            # where a checkpoint of the same step replaced it meanwhile (a run resumed before it).
+            mapped = f"/proc/self/fd/{descriptor}"
+            state = torch.load(mapped, mmap=True, map_location="cpu", weights_only=True)
             return Loaded(seal.digest, state, size, hashed - began, time.perf_counter() - hashed, threads)
     except OSError as exc:
         raise CheckpointError(f"checkpoint {path} cannot be read: {exc}") from None
