@@ -18,7 +18,8 @@
 #          one call). COMPARE_CONVERSATIONS (default 256) in shards of COMPARE_SHARD (default the
 #          product's, 1024); COMPARE_ROWS the bench's rows (default shards,static; shards alone skips
 #          the one-call row's compiles; paged: the product's default engine, every prompt at once);
-#          COMPARE_WARM_PASS=false skips the second regen.yml; settings the regeneration is given in
+#          COMPARE_WARM_PASS=false skips the second regen.yml; COMPARE_SECOND_SET=true ends with a
+#          second set of as many other conversations through regen.yml over the warm cache; settings the regeneration is given in
 #          EXTRA_SET (data.regen_*) go to the bench too, in COMPARE_BENCH_ARGS (e.g. --decode-scope
 #          layers).
 #   warm-compare: compare without its first pass, over the data stage's chat set and compile cache
@@ -349,6 +350,17 @@ stage_compare() {
     # the warm start of a fresh process over the product's cache), for a call that has no time for both
     if [ "${COMPARE_WARM_PASS:-true}" = true ]; then regen_pass warm; fi
     stage_bench
+    if [ "${COMPARE_SECOND_SET:-false}" = true ]; then second_set; fi
+}
+
+second_set() {  # other conversations of the same shape (another seed) through regen.yml, over the warm cache
+    local chat=$MODEL/chat.jsonl
+    mv "$chat" "$MODEL/chat.first.jsonl"
+    python3 -c "import sys; from pathlib import Path; from trainer.data.embedded import TARGET_SHAPES, write_chat; \
+write_chat(Path(sys.argv[1]), int(sys.argv[2]), TARGET_SHAPES[sys.argv[3]]['vocab_size'], seed=1)" \
+        "$chat" "${COMPARE_CONVERSATIONS:-256}" "$SHAPE"
+    regen_pass second
+    mv "$MODEL/chat.first.jsonl" "$chat"
 }
 
 # compare's regeneration in shards of COMPARE_SHARD, which the bench is given too; the product's
