@@ -153,3 +153,26 @@ def test_the_graphs_dynamo_compiled_in_a_part_are_counted_and_said():
     line = describe(clock.breakdown(), resumed=False, graphs=clock.graphs)
     assert line.endswith("; Dynamo compiled graphs (or took them from its cache): 1 in compile and warm-up")
     assert "Dynamo" not in describe(clock.breakdown(), resumed=False)
+
+
+def test_a_part_s_time_in_torch_compile_and_in_dynamo_s_tracing_is_said():
+    """Of a warm start's compile and warm-up, what the cache could save (torch.compile's time) and
+    what it cannot (Dynamo's tracing of it) are said apart."""
+    import torch
+
+    clock = StartupClock(time.perf_counter())
+    with clock.part("compile and warm-up"):
+        compiled = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="aot_eager")
+        compiled(torch.ones(3))
+    with clock.part("state restore"):
+        torch.ones(3).sin()
+    assert list(clock.compiling) == ["compile and warm-up"], "a part that compiled nothing says nothing"
+    total, tracing = clock.compiling["compile and warm-up"]
+    assert 0 < tracing < total <= clock.seconds["compile and warm-up"]
+    line = describe(clock.breakdown(), resumed=False, compiling={"compile and warm-up": (12.34, 2.06)})
+    assert line.endswith(
+        "; in torch.compile (tracing, and compiling or loading from the cache): "
+        "12.3 s of compile and warm-up (Dynamo's tracing 2.1 s of it)"
+    )
+    quick = describe(clock.breakdown(), resumed=False, compiling={"first step": (0.01, 0.0)})
+    assert "torch.compile" not in quick

@@ -37,6 +37,9 @@ class StartupClock:
         self.began = began
         self.seconds: dict[str, float] = {}
         self.graphs: dict[str, int] = {}  # graphs Dynamo compiled (or loaded from its cache) in a part
+        # seconds a part spent in torch.compile, and of those in Dynamo's tracing: what a warm cache
+        # saves (the compiling) and what it cannot (the tracing, the run of the warm-up itself)
+        self.compiling: dict[str, tuple[float, float]] = {}
         self.reported = False
 
     def count_graphs(self, name: str, before: int) -> None:
@@ -50,14 +53,23 @@ class StartupClock:
             raise ValueError(f"no startup part {name!r}; the parts are {', '.join(ORDER)}")
         self.seconds[name] = self.seconds.get(name, 0.0) + max(0.0, seconds)
 
+    def count_compiling(self, name: str, before: tuple[float, float]) -> None:
+        """Note the seconds part `name` spent in torch.compile since compile_seconds() was `before`."""
+        now = compile_seconds()
+        spent = (now[0] - before[0], now[1] - before[1])
+        if spent[0] > 0:
+            known = self.compiling.get(name, (0.0, 0.0))
+            self.compiling[name] = (known[0] + spent[0], known[1] + spent[1])
+
     @contextlib.contextmanager
     def part(self, name: str) -> Iterator[None]:
-        began, graphs = time.perf_counter(), compiled_graphs()
+        began, graphs, compiling = time.perf_counter(), compiled_graphs(), compile_seconds()
         try:
             yield
         finally:
             self.add(name, time.perf_counter() - began)
             self.count_graphs(name, graphs)
+            self.count_compiling(name, compiling)
 
     def breakdown(self, now: float | None = None) -> dict[str, float]:
         """{part: seconds, ..., "other": the rest, "total": entry to now}, rounded to 0.01 s; the
@@ -69,10 +81,16 @@ class StartupClock:
         return {name: round(seconds, 2) for name, seconds in parts.items()}
 
 
-def describe(breakdown: dict[str, float], resumed: bool, graphs: dict[str, int] | None = None) -> str:
+def describe(
+    breakdown: dict[str, float],
+    resumed: bool,
+    graphs: dict[str, int] | None = None,
+    compiling: dict[str, tuple[float, float]] | None = None,
+) -> str:
     """One log line: `startup: 86.4 s from the trainer's start to the first step: target load 20.1 s, ...`;
     the parts as printed add up to the total as printed. `graphs`: the graphs Dynamo compiled in a
-    part (StartupClock.graphs), said after the parts."""
+    part (StartupClock.graphs), said after the parts; `compiling`: a part's seconds in torch.compile
+    and in Dynamo's tracing (StartupClock.compiling), said last."""
     what = "a resume" if resumed else "a start"
     total = round(breakdown["total"] * 10)
     tenths = in_tenths({name: seconds for name, seconds in breakdown.items() if name != "total"}, total)
@@ -81,6 +99,13 @@ def describe(breakdown: dict[str, float], resumed: bool, graphs: dict[str, int] 
     if graphs:
         counted = ", ".join(f"{count} in {name}" for name, count in graphs.items())
         line += f"; Dynamo compiled graphs (or took them from its cache): {counted}"
+    spent = {name: seconds for name, seconds in (compiling or {}).items() if seconds[0] >= 0.05}
+    if spent:
+        said = ", ".join(
+            f"{total:.1f} s of {name} (Dynamo's tracing {tracing:.1f} s of it)"
+            for name, (total, tracing) in spent.items()
+        )
+        line += f"; in torch.compile (tracing, and compiling or loading from the cache): {said}"
     return line
 
 
@@ -93,6 +118,18 @@ def in_tenths(seconds: dict[str, float], total: int) -> dict[str, int]:
     for name in by_remainder[: max(0, total - sum(counts.values()))]:
         counts[name] += 1
     return counts
+
+
+def compile_seconds() -> tuple[float, float]:
+    """Seconds this process has spent in torch.compile so far, and of them in Dynamo's tracing of
+    bytecode (torch's own timers); (0, 0) before torch._dynamo is imported, or where this torch keeps
+    no such timers."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    metrics = getattr(dynamo_utils, "compilation_time_metrics", None)
+    if metrics is None:
+        return 0.0, 0.0
+    total, tracing = metrics.get("_compile.compile_inner", []), metrics.get("bytecode_tracing", [])
+    return float(sum(total)), float(sum(tracing))
 
 
 def compiled_graphs() -> int:

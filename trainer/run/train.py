@@ -59,7 +59,7 @@ from .resume import (
     this_shape,
 )
 from .sinks import Output, open_output
-from .startup import StartupClock, compiled_graphs
+from .startup import StartupClock, compile_seconds, compiled_graphs
 from .startup import describe as describe_startup
 
 __all__ = ["BadInput", "Diverged", "train"]  # the command line turns both into exit status 2
@@ -552,7 +552,7 @@ class Run:
             return
         clock, self.startup = self.startup, None
         breakdown = clock.breakdown()
-        self.out.line(describe_startup(breakdown, self.resumed, clock.graphs))
+        self.out.line(describe_startup(breakdown, self.resumed, clock.graphs, clock.compiling))
         if self.world.local_rank == 0:
             runrecord.note(self.out_dir, startup={"resumed": self.resumed, "seconds": breakdown})
 
@@ -844,6 +844,7 @@ def training_loop(run: Run, step: int) -> int:
     meter = Throughput(total, run.gpus, peak_flops(run.models.replicas[0].device))
     started = step
     first_step_began, graphs_before = time.perf_counter(), compiled_graphs()
+    compiling_before = compile_seconds()
     while step < total:
         run.collect_checkpoint()
         if run.world.any(run.stop()):
@@ -865,6 +866,7 @@ def training_loop(run: Run, step: int) -> int:
         if first and run.startup is not None:
             run.startup.add("first step", time.perf_counter() - first_step_began)
             run.startup.count_graphs("first step", graphs_before)
+            run.startup.count_compiling("first step", compiling_before)
         if logs or first:
             run.log_progress(step, loss, meter, row=logs)
         if first:
