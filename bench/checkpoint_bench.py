@@ -6,9 +6,10 @@ straight from the device. Then a load in a fresh process each way: the product's
 and hashed on several threads, the payload mapped) and a checkpoint of format 1 (the file's bytes
 read, one SHA-256 stream beside the unpacking, which copies the tensors out), time and peak memory
 (VmHWM: this process's own, from its exec on). Last, what a checkpoint costs a training loop (a
-stand-in: matmuls on --device, the result read every step): through the product's CheckpointWriter
-in the background (train.async_checkpoints, the default) and in line, the loop's pause, the
-write's own time, and the loop's step time while the write runs beside it against without one.
+stand-in: a matmul and small operations on --device, the result read every step): through the
+product's CheckpointWriter in the background (train.async_checkpoints, the default; on a thread, and
+by a writer process: train.checkpoint_writer) and in line, the loop's pause, the write's own time,
+and the loop's step time while the write runs beside it against without one.
 
     python bench/checkpoint_bench.py [--gib 1.5] [--repeats 2] [--dir DIR] [--device cuda] [--no-load]
         [--no-pause]
@@ -36,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.run import checkpoint
+from trainer.run.checkpoint_process import SharedStaging, WriterProcess
 
 
 def raw_write(directory: Path, size: int) -> float:
@@ -93,37 +95,65 @@ def load_rows(directory: Path, state: dict, repeats: int) -> None:
 
 def pause_rows(directory: Path, state: dict, device: str, repeats: int) -> None:
     """The stand-in loop's pause per checkpoint, the write's time and the loop's step time beside
-    the write, the CheckpointWriter in the background and in line (medians over `repeats`)."""
+    the write: the CheckpointWriter in the background (on a thread of this process, and by a writer
+    process of its own) and in line (medians over `repeats`). The stand-in step is a matmul and 400
+    small operations, each launched from Python, as a training step's kernels are: a write that holds
+    this interpreter's lock delays them."""
     side = 2048 if device != "cpu" else 512
     a = torch.randn(side, side, device=device)
+    small = torch.ones(64, device=device)
 
     def step() -> float:
         began = time.perf_counter()
-        float((a @ a).sum())  # read back, as the loop reads a loss
+        b = small
+        for _ in range(200):
+            b = b * 1.0001 + 0.0001
+        float((a @ a).sum() + b.sum())  # read back, as the loop reads a loss
         return time.perf_counter() - began
 
     alone = statistics.median(step() for _ in range(50))
-    for background in (True, False):
-        writer = checkpoint.CheckpointWriter(checkpoint.HostStaging(host_too=True), background)
+    writers = {
+        "background write, a thread": lambda: (thread_writer(True), None),
+        "background write, a process": process_writer,
+        "write in line": lambda: (thread_writer(False), None),
+    }
+    for name, make in writers.items():
+        writer, process = make()
         paused, written, beside = [], [], []
-        for repeat in range(repeats + 1):  # the first one fills the staging's buffers: not counted
-            writer.start(directory, repeat, state, time.perf_counter())
-            during = []
-            while writer.in_flight and len(during) < 100_000:
-                during.append(step())
-            outcome = writer.wait()
-            outcome.path.unlink()
-            if repeat:
-                paused.append(outcome.paused_s)
-                written.append(outcome.write_s)
-                beside.extend(during)
-        name = "background write" if background else "write in line"
-        step_beside = f"{statistics.median(beside) * 1e3:.1f} ms" if beside else "none ran"
+        try:
+            for repeat in range(repeats + 1):  # the first one fills the staging's buffers: not counted
+                writer.start(directory, repeat, state, time.perf_counter())
+                during = []
+                while writer.in_flight and len(during) < 100_000:
+                    during.append(step())
+                outcome = writer.wait()
+                outcome.path.unlink()
+                if repeat:
+                    paused.append(outcome.paused_s)
+                    written.append(outcome.write_s)
+                    beside.extend(during)
+        finally:
+            if process is not None:
+                process.stop()
+        step_beside = "none ran"
+        if beside:
+            median = statistics.median(beside)
+            step_beside = f"{median * 1e3:.1f} ms, {median / alone:.3f}x"
         print(
             f"{name:>36}: training paused median {statistics.median(paused):6.2f} s, the write "
             f"{statistics.median(written):6.2f} s; a step beside the write {step_beside} "
             f"({len(beside)} steps), alone {alone * 1e3:.1f} ms"
         )
+
+
+def thread_writer(background: bool) -> checkpoint.CheckpointWriter:
+    return checkpoint.CheckpointWriter(checkpoint.HostStaging(host_too=True), background)
+
+
+def process_writer():
+    staging = SharedStaging(host_too=True)
+    process = WriterProcess(staging)
+    return checkpoint.CheckpointWriter(staging, True, process.save), process
 
 
 def write_variants(state: dict, device: str) -> dict:

@@ -34,6 +34,7 @@ MODES_WITH_CUDAGRAPHS = ("reduce-overhead", "max-autotune")
 # that the queue cannot wait for).
 MAX_STEPS = 10**9
 MAX_SEED = 2**63 - 1
+CHECKPOINT_WRITERS = ("thread", "process")
 MAX_LR = 1.0
 MAX_TIMEOUT_S = 7 * 24 * 3600
 # Checkpoints kept beyond this many are every one a long run writes in practice: 0 says that plainly.
@@ -199,6 +200,11 @@ class TrainConfig:
     """Write checkpoints in the background: training waits only for the copy of the state to host
     memory (pinned on a GPU), then goes on while a thread hashes and writes it; one write at a time.
     false: training waits for the whole write."""
+    checkpoint_writer: str = "thread"
+    """Who writes a background checkpoint (train.async_checkpoints): a thread of the trainer
+    (thread), or a process of its own (process), which shares no interpreter lock with the training
+    loop; its host copy is then one shared memory file (memfd), the size of a checkpoint, as the
+    thread's buffers are."""
 
     def problems(self) -> list[str]:
         out = []
@@ -213,6 +219,11 @@ class TrainConfig:
                 out.append(f"train.{name} must be at most {MAX_STEPS}, got {getattr(self, name)}")
         if self.seed > MAX_SEED:
             out.append(f"train.seed must be at most {MAX_SEED}, got {self.seed}")
+        if self.checkpoint_writer not in CHECKPOINT_WRITERS:
+            out.append(
+                f"train.checkpoint_writer must be one of {', '.join(CHECKPOINT_WRITERS)}, "
+                f"got {self.checkpoint_writer!r}"
+            )
         if self.keep_checkpoints > MAX_KEEP_CHECKPOINTS:
             out.append(
                 f"train.keep_checkpoints must be at most {MAX_KEEP_CHECKPOINTS}, got {self.keep_checkpoints} "

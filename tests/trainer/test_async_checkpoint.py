@@ -191,6 +191,7 @@ def _run(out_dir: Path, keep: int, writer: CheckpointWriter) -> SimpleNamespace:
     run = SimpleNamespace(
         out=_Lines(), out_dir=out_dir, world=SimpleNamespace(is_lead=True, world_size=1),
         cfg=SimpleNamespace(train=SimpleNamespace(keep_checkpoints=keep)), writer=writer, announcement=None,
+        writer_process=None,
     )  # fmt: skip
     for name in ("report", "keep_checkpoints", "close_checkpoints", "collect_checkpoint"):
         setattr(run, name, getattr(Run, name).__get__(run))

@@ -78,6 +78,7 @@ def test_a_partial_write_a_killed_trainer_left_is_removed_by_the_next_checkpoint
         ("train.checkpoint_every_s=1e9", "train.checkpoint_every_s must be in [0, 604800]"),
         ("train.checkpoint_every_s=nan", "train.checkpoint_every_s must be a finite number"),
         ("train.async_checkpoints=maybe", "train.async_checkpoints: expected true or false, got 'maybe'"),
+        ("train.checkpoint_writer=fork", "train.checkpoint_writer must be one of thread, process"),
     ],
 )
 def test_bad_retention_and_clock_values_are_refused_by_name(setting, said):

@@ -176,16 +176,18 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, cache_dir):
     assert "checkpoint read" in parts and "state restore" in parts
 
 
-def test_a_kill_9_after_a_background_checkpoint_resumes_bit_exact(tmp_path, cache_dir, embedded):
-    """The periodic checkpoints are written in the background while training goes on; one of them,
-    resumed after a kill -9, gives the uninterrupted run's losses bit for bit. The target is a
-    configured one: the resume loads it while it reads the checkpoint."""
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_kill_9_after_a_background_checkpoint_resumes_bit_exact(tmp_path, cache_dir, embedded, writer):
+    """The periodic checkpoints are written in the background while training goes on (by a thread
+    of the trainer, or by a process of its own); one of them, resumed after a kill -9, gives the
+    uninterrupted run's losses bit for bit. The target is a configured one: the resume loads it
+    while it reads the checkpoint."""
     target, data = embedded
     common = [
         "--run", "eager", "--steps", "16", "--seed", "5", "--set", f"data.cache_dir={cache_dir}",
         "--set", f"model.target_path={target}", "--set", f"data.train_file={data}",
         "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "train.checkpoint_every=4",
-        "--set", "train.keep_checkpoints=0", *FAST,
+        "--set", "train.keep_checkpoints=0", "--set", f"train.checkpoint_writer={writer}", *FAST,
     ]  # fmt: skip
     straight = tmp_path / "straight"
     result = run_trainer(*common, "--out", str(straight))

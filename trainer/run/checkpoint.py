@@ -66,16 +66,19 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+FULL_DISK_WAY_OUT = "Free space there and resume (-e resume=true)"
+
+
 class CheckpointWriteError(Exception):
     """A checkpoint could not be written (a full disk, say); no partial file is left behind."""
 
-    def __init__(self, directory: Path, step: int, cause: OSError):
+    def __init__(self, directory: Path, step: int, cause: OSError, way_out: str = FULL_DISK_WAY_OUT):
         self.directory, self.step, self.cause = directory, step, cause
         intact = list_checkpoints(directory)
         last = f"{intact[-1][1]} (step {intact[-1][0]})" if intact else "none"
         super().__init__(
             f"cannot save the checkpoint of step {step} in {directory}: {cause.strerror or cause}; "
-            f"the last intact checkpoint is {last}. Free space there and resume (-e resume=true)"
+            f"the last intact checkpoint is {last}. {way_out}"
         )
 
 
@@ -365,8 +368,14 @@ class CheckpointWriter:
     hands over its outcome. Where the host has no room for the copy (HostStaging.declined) the
     state is the live one, and it is written before `start` returns, as without a background."""
 
-    def __init__(self, staging: HostStaging, background: bool = True):
-        self.staging, self.background = staging, background
+    def __init__(
+        self,
+        staging: HostStaging,
+        background: bool = True,
+        save: Callable[[Path, int, Any], Path] | None = None,
+    ):
+        # save: how a staged copy is written (a writer process's); save_checkpoint here by default
+        self.staging, self.background, self.save = staging, background, save
         self.thread: threading.Thread | None = None
         self.outcome: Written | None = None
         self.failure: BaseException | None = None  # anything but a write error: a fault, raised here
@@ -387,7 +396,9 @@ class CheckpointWriter:
         unstaged = self.staging.declined
         self.last_step = step
         if unstaged or not self.background:
-            self._write(directory, step, host, 0.0, unstaged, waited)
+            # the live state (no room for a copy) is this process's to write
+            save = save_checkpoint if unstaged else self.save
+            self._write(directory, step, host, 0.0, unstaged, waited, save)
             self.outcome.paused_s = time.perf_counter() - began
             return
         paused = time.perf_counter() - began
@@ -398,10 +409,10 @@ class CheckpointWriter:
         self.thread.start()
 
     def _write(self, directory: Path, step: int, state: Any, paused: float, unstaged: str | None = None,
-               waited: tuple[float, int | None] = (0.0, None)):  # fmt: skip
+               waited: tuple[float, int | None] = (0.0, None), save: Callable | None = None):  # fmt: skip
         began = time.perf_counter()
         try:
-            path = save_checkpoint(directory, step, state)
+            path = (save or self.save or save_checkpoint)(directory, step, state)
             outcome = Written(step, path, path.stat().st_size, paused, time.perf_counter() - began,
                               unstaged=unstaged)  # fmt: skip
         except CheckpointWriteError as exc:

@@ -43,6 +43,7 @@ from ..parallel.sharding import wait_for_parameters
 from ..parallel.topology import ThreadedTopology, ThreadedWorld
 from . import runrecord
 from .checkpoint import CheckpointWriter, HostStaging, Written, prune_checkpoints
+from .checkpoint_process import SharedStaging, WriterProcess
 from .environment import resolve_devices
 from .flops import FlopShape, peak_flops, squared_conversation_lengths
 from .recompiles import RecompileWatch
@@ -488,8 +489,14 @@ class Run:
         # Rank 0's host copy of a checkpoint, reused by the next one; written in the background
         # (train.async_checkpoints), a copy of every tensor, the host's too: training changes them.
         background = cfg.train.async_checkpoints
-        self.staging = HostStaging(host_too=background)
-        self.writer = CheckpointWriter(self.staging, background)
+        self.writer_process: WriterProcess | None = None
+        if background and cfg.train.checkpoint_writer == "process":
+            self.staging = SharedStaging(host_too=True)
+            self.writer_process = WriterProcess(self.staging)
+            self.writer = CheckpointWriter(self.staging, background, self.writer_process.save)
+        else:
+            self.staging = HostStaging(host_too=background)
+            self.writer = CheckpointWriter(self.staging, background)
         self.announcement: tuple[int, str, str] | None = None  # rank 0's last checkpoint written
         self.startup: StartupClock | None = None  # this start's clock, until its first step is logged
         self.resumed = False
@@ -609,7 +616,8 @@ class Run:
             self.report(self.writer.poll())
 
     def close_checkpoints(self) -> None:
-        """On the way out of a run that raised: wait for rank 0's write in flight, say what became of it."""
+        """On the way out of a run: wait for rank 0's write in flight, say what became of it, and end
+        the writer process (if any)."""
         if not self.world.is_lead:
             return
         try:
@@ -617,6 +625,9 @@ class Run:
         except Exception as exc:  # the writer's own fault, beside the one that ends the run
             self.out.line(f"checkpoint step {self.writer.last_step} not saved: {type(exc).__name__}: {exc}")
             return
+        finally:
+            if self.writer_process is not None:
+                self.writer_process.stop()
         self.report(written, then="")
 
     def report(self, written: Written | None, final: bool = False, then: str | None = None) -> None:
