@@ -12,7 +12,7 @@ by a writer process: train.checkpoint_writer) and in line, the loop's pause, the
 and the loop's step time while the write runs beside it against without one.
 
     python bench/checkpoint_bench.py [--gib 1.5] [--repeats 2] [--dir DIR] [--device cuda] [--no-load]
-        [--no-pause]
+        [--no-pause | --pause-only]
 
 The state is float32 tensors of 64 Mi elements (a drafter's weights and moments are of that order:
 12.6 GB at the Qwen3-8B recipe's shape), on --device. After one write to warm up, the variants take
@@ -189,11 +189,20 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-load", action="store_true", help="no load rows")
     parser.add_argument("--no-pause", action="store_true", help="no rows of a training loop's pause")
+    parser.add_argument("--pause-only", action="store_true", help="only the rows of a training loop's pause")
     args = parser.parse_args()
     tensors = max(1, round(args.gib * 2**30 / (4 * 2**26)))
     state = {"weights": [torch.randn(2**26, device=args.device) for _ in range(tensors)]}
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
+    if args.pause_only:
+        print(f"torch {torch.__version__}, {tensors} tensors on {args.device}")
+        try:
+            checkpoint.save_checkpoint(directory, 0, state).unlink()  # a first write warms the file system
+            pause_rows(directory, state, args.device, args.repeats)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        return 0
     variants = write_variants(state, args.device)
     rows: dict[str, list[float]] = {name: [] for name in [*variants, "disk alone"]}
     copies: dict[str, list[float]] = {name: [] for name in variants}
