@@ -146,3 +146,16 @@ def fill_disk_when(monkeypatch, full) -> None:
         return Filling(handle) if "w" in mode and checkpoint_being_written else handle
 
     monkeypatch.setattr(pathlib.Path, "open", open_filling)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path):
+    """A real 1 MiB file system (tmpfs), which a test fills up; skipped where mounting is not allowed."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]
+    mounted = subprocess.run(command, capture_output=True)
+    if mounted.returncode:
+        pytest.skip("mounting a tmpfs needs root (a full disk cannot be made here)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)

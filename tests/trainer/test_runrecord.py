@@ -237,19 +237,6 @@ def test_full_disk_ends_with_one_line_and_no_partial_file(small_disk: Path, cach
     assert all(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()), "whole rows"
 
 
-@pytest.fixture
-def tiny_disk(tmp_path: Path):
-    """A real 1 MiB file system (tmpfs), which a test fills up; skipped where mounting is not allowed."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]
-    mounted = subprocess.run(command, capture_output=True)
-    if mounted.returncode:
-        pytest.skip("mounting a tmpfs needs root (a full disk cannot be made here)")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 @pytest.mark.unit
 def test_the_record_says_how_a_run_ended_on_a_full_disk(tiny_disk: Path) -> None:
     out = tiny_disk / "runs" / "nographs"
