@@ -129,20 +129,6 @@ def test_a_writer_process_killed_mid_write_loses_that_checkpoint_only_and_the_ne
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001.pt", "step_00000003.pt"]
 
 
-@pytest.fixture
-def tiny_disk(tmp_path: Path):
-    """A real 1 MiB file system (tmpfs); skipped where mounting is not allowed."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
-    )
-    if mounted.returncode:
-        pytest.skip("mounting a tmpfs needs root (a full disk cannot be made here)")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 def test_a_full_disk_in_the_writer_process_is_said_and_the_next_write_succeeds(tiny_disk, process_writer):
     writer, _, _ = process_writer
     writer.start(tiny_disk, 1, _state(1.0), time.perf_counter())
