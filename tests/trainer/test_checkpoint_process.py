@@ -186,3 +186,51 @@ def test_a_trainer_killed_mid_write_takes_its_writer_process_along_and_leaves_th
             trainer.wait()
     assert [step for step, _ in list_checkpoints(tmp_path)] == [1]
     assert torch.equal(load_checkpoint(tmp_path / "step_00000001.pt")["w"], torch.full((1 << 20,), 1.0))
+
+
+STOPPED_GROUP = """
+import signal, sys, time, torch
+from pathlib import Path
+from trainer.run.checkpoint import CheckpointWriter
+from trainer.run.checkpoint_process import SharedStaging, WriterProcess
+directory = Path(sys.argv[1])
+stopping = []
+signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+staging = SharedStaging(host_too=True)
+process = WriterProcess(staging)
+writer = CheckpointWriter(staging, background=True, save=process.save)
+writer.start(directory, 1, {"w": torch.full((32 << 20,), 1.0)}, time.perf_counter())
+print("writing", flush=True)
+deadline = time.monotonic() + 60
+while not stopping and time.monotonic() < deadline:
+    time.sleep(0.01)
+written = writer.wait()
+writer.start(directory, 2, {"w": torch.full((16,), 2.0)}, time.perf_counter())
+print(written.path, writer.wait().path, flush=True)
+process.stop()
+"""
+
+
+def test_a_stop_sent_to_the_whole_process_group_leaves_the_write_in_flight_and_the_stop_s_own_to_the_trainer(
+    tmp_path,
+):
+    """Ctrl-C or a SIGTERM to the group reaches the writer process too: it goes on, and the trainer
+    (which waits for the write in flight at a stop) has its stop's checkpoint written after it."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", STOPPED_GROUP, str(tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert trainer.stdout.readline().strip() == "writing"
+        assert _wait_until(lambda: list(tmp_path.glob(".step_00000001.pt.*.tmp"))), "the write began"
+        os.killpg(trainer.pid, signal.SIGTERM)
+        assert trainer.stdout.readline().split() == [str(tmp_path / f"step_0000000{n}.pt") for n in (1, 2)]
+        assert trainer.wait(timeout=30) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    assert torch.equal(load_checkpoint(tmp_path / "step_00000001.pt")["w"], torch.full((32 << 20,), 1.0))

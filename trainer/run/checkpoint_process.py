@@ -259,7 +259,10 @@ def die_with_parent(parent: int, every_s: float = 0.2) -> None:
 def serve(fd: int, parent: int) -> None:
     """The writer process: one job at a time from stdin, each answer on stdout."""
     die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a stop reaches the trainer, which waits for the write
+    # A stop sent to the whole process group (Ctrl-C, a SIGTERM to the group) is the trainer's to
+    # handle: it waits for the write in flight, then has its own checkpoint written.
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, signal.SIG_IGN)
     size = os.fstat(fd).st_size
     memory = mmap.mmap(fd, size)
     tensors: dict[tuple, list[torch.Tensor]] = {}
