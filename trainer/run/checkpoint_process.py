@@ -6,12 +6,13 @@ then. Here the host copy lives in one anonymous shared file (memfd: not bound by
 mapped by the trainer, which copies the state into it (pinned on a GPU: cudaHostRegister), and by a
 writer process started once, which never touches a GPU. For each checkpoint the trainer sends the
 state's structure, its tensors named by their place in the shared file, and the writer process
-saves it with save_checkpoint (sealed, hashed, fsync'ed, renamed) and answers with the file's size
+saves it with save_checkpoint (sealed, hashed, fsync'ed, renamed) and answers with the file's path
 or the error. The trainer's thread that waits for the answer holds no GIL while it waits.
 
-The writer process ends with the trainer (it watches its parent): a trainer killed mid-write leaves the
-temporary file, which the next write removes, and the earlier checkpoints whole. A writer process
-that dies mid-write loses that checkpoint only (said like a full disk); the next one starts anew.
+The writer process ends with the trainer (it watches its parent): a trainer killed mid-write
+leaves the temporary file, which the next write removes, and the earlier checkpoints whole. A
+writer process that dies mid-write loses that checkpoint only (said as a full disk is); the next
+checkpoint starts another.
 """
 
 from __future__ import annotations
@@ -297,6 +298,10 @@ def rebuild(value: Any, shared: list[torch.Tensor]) -> Any:
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]) or len(sys.argv) != 3:
+        # Not a command for people: the trainer starts it (train.checkpoint_writer=process).
+        print(f"usage: python -m trainer.run.checkpoint_process SHARED_FD TRAINER_PID\n\n{__doc__}")
+        sys.exit(0 if {"-h", "--help"} & set(sys.argv[1:]) else 2)
     # The module by its name, not as __main__: the jobs' InShared are of its classes.
     from trainer.run.checkpoint_process import serve as serve_jobs
 
