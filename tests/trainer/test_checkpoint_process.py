@@ -104,6 +104,30 @@ def test_the_process_is_started_once_the_copy_s_memory_is_ready(tmp_path, proces
     assert process.generation == staging.generation == 1
 
 
+def test_the_first_checkpoint_copies_into_the_prepared_file_and_sends_the_few_small_tensors_after_it(
+    tmp_path, process_writer
+):
+    """prepare() lays the file out for the drafter's and the optimizer's tensors; the checkpoint's
+    state has a few small ones after them (random states): the file is kept, not laid out anew
+    (pinning it again cost the first checkpoint of a process seconds at the recipe's shape)."""
+    writer, _, staging = process_writer
+    state = _state(4.0)
+    staging.prepare({"drafter": state["drafter"], "optimizer": state["optimizer"]})
+    staging.preparing.join()
+    assert staging.generation == 1 and len(staging.buffers) == 5
+    writer.start(tmp_path, 7, state, time.perf_counter())
+    written = writer.wait()
+    assert staging.generation == 1, "the prepared file was kept"
+    assert _equal(load_checkpoint(written.path), _state(4.0))
+    big_after = {**state, "rng": (torch.zeros(17 << 20, dtype=torch.uint8), "kept as it is", None)}  # 17 MiB
+    writer.start(tmp_path, 8, big_after, time.perf_counter())
+    assert writer.wait().error is None and staging.generation == 1, "up to 64 MiB after the slots go by value"
+    bigger = {**state, "rng": (torch.zeros(65 << 20, dtype=torch.uint8), "kept as it is", None)}
+    writer.start(tmp_path, 9, bigger, time.perf_counter())
+    assert writer.wait().error is None and staging.generation == 2, "more is laid out anew"
+    assert _equal(load_checkpoint(tmp_path / "step_00000009.pt"), bigger)
+
+
 def test_a_writer_process_killed_mid_write_loses_that_checkpoint_only_and_the_next_starts_anew(
     tmp_path, process_writer
 ):
