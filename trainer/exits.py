@@ -54,6 +54,8 @@ def guarded(out_dir: Path, body: Callable[[], int]) -> int:
     except WorkerFailed as exc:
         trace = f"error: worker {exc.rank} failed; the run stopped. Its traceback:\n{exc.trace}"
         print(trace, file=sys.stderr, flush=True)
+        if exc.hint:
+            return ended(out_dir, error_line(exc.hint), f"crashed: worker {exc.rank} failed: {exc.hint}")
         return ended(out_dir, 1, f"crashed: worker {exc.rank} failed")
     except OSError as exc:
         if exc.errno != errno.ENOSPC:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import weakref
 from types import SimpleNamespace
@@ -535,3 +536,27 @@ def test_a_stop_during_compilation_logs_no_compile_line_after_the_run_s_stop():
         replica.done.set()
         topology.close()
     assert lines == ["drafter on cpu: compiling forward (cudagraphs=False)", "stopped at step 0"]
+
+
+def test_a_worker_out_of_gpu_memory_ends_the_run_naming_the_rows_and_the_way_out(tmp_path, capsys):
+    """The run's end says what ran out and what to lower, not only a traceback."""
+    from trainer.exits import guarded
+    from trainer.parallel.topology import WorkerFailed
+    from trainer.run import runrecord
+
+    trace = (
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in call\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.12 GiB.\n"
+    )
+
+    def failing() -> int:
+        raise WorkerFailed(0, torch.device("cuda:0"), trace, rows=6)
+
+    runrecord.write_record(tmp_path, {"run_id": "r-1", "pid": os.getpid(), "state": "running"})
+    assert guarded(tmp_path, failing) == 1
+    said = capsys.readouterr().err
+    assert "torch.OutOfMemoryError" in said, "the traceback is kept"
+    assert "error: cuda:0 ran out of memory in the training step at train.batch_size=6: lower" in said
+    assert "lower train.batch_size" in runrecord.read_record(tmp_path)["exit_reason"]
+    other = WorkerFailed(0, torch.device("cuda:0"), "Traceback...\nRuntimeError: injected failure\n", rows=6)
+    assert other.hint is None
