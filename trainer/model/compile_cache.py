@@ -109,13 +109,17 @@ def status(directory: Path, loaded: int, skipped: int) -> str:
     return f"compile cache: cold (compiling into {directory}{unread})"
 
 
-def compile_seconds() -> float:
+def compile_seconds() -> tuple[float, float]:
     """Seconds this process has spent in torch.compile so far (torch's own timer of each compile:
-    Dynamo's tracing, AOTAutograd and Inductor, what the compile cache held loaded in it); 0 where
-    this torch keeps no such timer."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
+    Dynamo's tracing, AOTAutograd and Inductor, what the compile cache held loaded in it), and of
+    them in Dynamo's tracing of bytecode; (0, 0) before torch._dynamo is imported (importing it here
+    would cost seconds of a start) or where this torch keeps no such timers."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    metrics = getattr(dynamo_utils, "compilation_time_metrics", None)
+    if metrics is None:
+        return 0.0, 0.0
+    total, tracing = metrics.get("_compile.compile_inner", []), metrics.get("bytecode_tracing", [])
+    return float(sum(total)), float(sum(tracing))
 
 
 def keeping_traces(fn: Callable, **options) -> Callable:
@@ -332,12 +336,12 @@ def persisted(directory: Path | None, log: Callable[[str], None]) -> Iterator[No
         log(f"compile cache: not used ({directory}: {exc.strerror}); compiling from nothing")
         yield
         return
-    began, compiling = time.monotonic(), compile_seconds()
+    began, compiling = time.monotonic(), compile_seconds()[0]
     loaded, refused, abandoned = len(TRACES_LOADED), len(TRACES_REFUSED), len(TRACES_ABANDONED)
     try:
         yield
     finally:
-        spent = time.monotonic() - began, compile_seconds() - compiling
+        spent = time.monotonic() - began, compile_seconds()[0] - compiling
         traces = len(TRACES_LOADED) - loaded
         log(time_spent(*spent, traces, TRACES_REFUSED[refused:], TRACES_ABANDONED[abandoned:]))
         try:

@@ -121,15 +121,10 @@ def in_tenths(seconds: dict[str, float], total: int) -> dict[str, int]:
 
 
 def compile_seconds() -> tuple[float, float]:
-    """Seconds this process has spent in torch.compile so far, and of them in Dynamo's tracing of
-    bytecode (torch's own timers); (0, 0) before torch._dynamo is imported, or where this torch keeps
-    no such timers."""
-    dynamo_utils = sys.modules.get("torch._dynamo.utils")
-    metrics = getattr(dynamo_utils, "compilation_time_metrics", None)
-    if metrics is None:
-        return 0.0, 0.0
-    total, tracing = metrics.get("_compile.compile_inner", []), metrics.get("bytecode_tracing", [])
-    return float(sum(total)), float(sum(tracing))
+    """Seconds in torch.compile so far, and of them in Dynamo's tracing (compile_cache.compile_seconds)."""
+    from ..model.compile_cache import compile_seconds as seconds_in_compile
+
+    return seconds_in_compile()
 
 
 def compiled_graphs() -> int:
