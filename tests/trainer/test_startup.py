@@ -177,3 +177,55 @@ def test_a_part_s_time_in_torch_compile_and_in_dynamo_s_tracing_is_said():
     )
     quick = describe(clock.breakdown(), resumed=False, compiling={"first step": (0.01, 0.0)})
     assert "torch.compile" not in quick
+
+
+def test_a_start_copies_the_weights_for_its_first_evaluation_on_a_thread_and_waits_for_them_once():
+    """The copy runs beside the compile and warm-up; the first step's wait for it is a part of the
+    breakdown; the weights are those the drafter had when the copy was asked for."""
+    import threading
+
+    import torch
+
+    from trainer.run.train import FirstEvaluationWeights
+
+    drafter = torch.nn.Linear(4, 3)
+    before = {name: value.clone() for name, value in drafter.state_dict().items()}
+    kept = FirstEvaluationWeights.of_start(None, drafter)
+    assert kept is not None and kept.thread is not None and kept.thread.name == "first-weights"
+    run = SimpleNamespace(first_weights=kept, startup=StartupClock(time.perf_counter()), models=None)
+    weights = Run.weights_before_first_step(run)
+    with torch.no_grad():
+        drafter.weight.add_(1.0)  # the first step's update: the kept copy is not the drafter's memory
+    assert all(torch.equal(weights[name], value) for name, value in before.items())
+    assert "weights for the first evaluation" in run.startup.breakdown()
+    assert run.first_weights is None and not [t for t in threading.enumerate() if t.name == "first-weights"]
+
+
+def test_a_resume_without_a_step_0_evaluation_reads_its_checkpoint_s_weights_and_one_with_it_keeps_none():
+    import torch
+
+    from trainer.run.train import FirstEvaluationWeights
+
+    drafter = torch.nn.Linear(4, 3)
+    saved = {"weight": torch.ones(3, 4), "bias": torch.zeros(3)}
+    unevaluated = SimpleNamespace(state={"tau0": -1.0, "drafter": saved})
+    kept = FirstEvaluationWeights.of_start(unevaluated, drafter)
+    assert kept is not None and kept.thread is None, "on the host already: no copy"
+    assert kept.result() is saved
+    assert (
+        FirstEvaluationWeights.of_start(SimpleNamespace(state={"tau0": 1.4, "drafter": saved}), drafter)
+        is None
+    )
+
+
+def test_a_failed_copy_of_the_first_evaluation_s_weights_is_raised_where_they_are_needed():
+    from trainer.run.train import FirstEvaluationWeights
+
+    class Broken:
+        def state_dict(self):
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    kept = FirstEvaluationWeights(drafter=Broken())
+    kept.wait()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        kept.result()

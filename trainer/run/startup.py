@@ -25,6 +25,7 @@ ORDER = (
     "data preparation",
     "data store open and pack",
     "state restore",
+    "weights for the first evaluation",
     "first step",
 )
 """The parts in the order a start goes through them (the breakdown lists them so, `other` last)."""
