@@ -91,3 +91,16 @@ def test_each_conversation_of_a_packed_row_has_its_loss_run_alone(parts, attenti
     # above can fail.
     crossing = losses(parts, ids, mask, None, anchors, owner, 3, attention)
     assert crossing[1:] != pytest.approx(alone[1:], rel=1e-3)
+
+
+def test_the_warm_up_lays_its_rows_out_as_the_run_s_rows():
+    """Packed rows take transformers' packed mask (another flex kernel): a warm-up on rows of one
+    conversation would leave that path to the first step of every start to compile."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    from trainer.parallel.replica import warm_up_positions
+
+    packed = warm_up_positions(3, 16, packed=True)
+    assert packed.shape == (3, 16) and packed[0, 0] == 0 and (packed == 0).sum() == 6
+    assert find_packed_sequence_indices(packed) is not None, "the packed path, as a real packed batch"
+    assert find_packed_sequence_indices(warm_up_positions(3, 16, packed=False)) is None

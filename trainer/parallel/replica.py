@@ -85,6 +85,18 @@ def resolve_attention(choice: str, device: torch.device, compile_mode: str) -> s
     return "flex" if device.type == "cuda" and compile_mode != "none" else "sdpa"
 
 
+def warm_up_positions(rows: int, length: int, packed: bool) -> torch.Tensor:
+    """The warm-up batch's position ids: rows laid out as the run's. Packed rows hold several
+    conversations, and the attention then takes another path than in a row of one: transformers
+    finds the packing from position ids that restart and builds another mask (flex attention: its
+    own kernel), so a warm-up on rows of one conversation left the first step of every start to
+    compile that path. Here each packed row holds two."""
+    if not packed:
+        return torch.arange(length).expand(rows, length)
+    second = length // 2
+    return torch.cat([torch.arange(length - second), torch.arange(second)]).expand(rows, length)
+
+
 class Replica:
     def __init__(
         self,
@@ -185,11 +197,12 @@ class Replica:
         self.forward = self.module
 
     def warm_up(self) -> None:
-        """One forward/backward on a batch of the real shapes (compiles now), leaving no trace."""
+        """One forward/backward on a batch of the real shapes and layout (compiles now), leaving no
+        trace."""
         t = self.cfg.train
         ids = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long)
         mask = torch.ones_like(ids)
-        positions = torch.arange(t.seq_len).expand(t.batch_size, t.seq_len)
+        positions = warm_up_positions(t.batch_size, t.seq_len, t.packing)
         self.compute(ids, mask, torch.Generator().manual_seed(0), position_ids=positions)
         for param in self.params:
             param.grad = None
