@@ -17,6 +17,7 @@ from trainer.run.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     prune_checkpoints,
+    wait_for_freeing,
 )
 from trainer.run.checkpoint import save_checkpoint as save
 from trainer.run.train import Run
@@ -67,6 +68,42 @@ def test_a_partial_write_a_killed_trainer_left_is_removed_by_the_next_checkpoint
     _saved(tmp_path, 3)
     assert not leftover.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001.pt", "step_00000003.pt"]
+
+
+@pytest.mark.unit
+def test_a_pruned_checkpoint_is_gone_at_once_and_its_file_freed_in_the_background(tmp_path, monkeypatch):
+    """The training thread waits for a rename only: freeing a 12 GB file's blocks (its unlink) is
+    not its to wait for."""
+    import threading
+
+    import trainer.run.checkpoint as checkpoint
+
+    _saved(tmp_path, 1, 2)
+    release, unlinking = threading.Event(), []
+    real_unlink_all = checkpoint._unlink_all
+
+    def slow_unlink_all(paths):
+        unlinking.append(threading.current_thread().name)
+        assert release.wait(10), "bounded: the test releases it"
+        real_unlink_all(paths)
+
+    monkeypatch.setattr(checkpoint, "_unlink_all", slow_unlink_all)
+    assert prune_checkpoints(tmp_path, 1, protected=set()) == [1]  # returned while the unlink waits
+    assert _steps(tmp_path) == [2] and unlinking == ["checkpoint-freeing"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step_00000001.pt.removed", "step_00000002.pt"]
+    release.set()
+    wait_for_freeing()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002.pt"]
+
+
+@pytest.mark.unit
+def test_a_pruned_file_a_killed_trainer_did_not_free_is_removed_by_the_next_checkpoint(tmp_path):
+    _saved(tmp_path, 2)
+    leftover = tmp_path / ".step_00000001.pt.removed"  # a kill -9 before the unlink ran
+    leftover.write_bytes(b"\0" * 4096)
+    assert _steps(tmp_path) == [2], "no checkpoint: a resume never reads it"
+    _saved(tmp_path, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002.pt", "step_00000003.pt"]
 
 
 @pytest.mark.unit

@@ -444,9 +444,9 @@ class CheckpointWriter:
 
 def remove_partial_writes(directory: Path) -> None:
     """A checkpoint a killed trainer was writing (a kill -9 mid-write leaves its temporary file,
-    gigabytes at a real shape): the output's lock lets one trainer write here, so any such file is
-    another, dead process's."""
-    for leftover in directory.glob(".step_*.tmp"):
+    gigabytes at a real shape), and a pruned one whose removal a killed trainer did not finish: the
+    output's lock lets one trainer write here, so any such file is another, dead process's."""
+    for leftover in [*directory.glob(".step_*.tmp"), *directory.glob(f".step_*{PRUNED_SUFFIX}")]:
         leftover.unlink(missing_ok=True)
 
 
@@ -458,26 +458,60 @@ def fsync_directory(directory: Path) -> None:
         os.close(dir_fd)
 
 
+PRUNED_SUFFIX = ".removed"
+"""A pruned checkpoint's name until its file is freed (`.step_00000008.pt.removed`): no checkpoint."""
+
+
 def prune_checkpoints(directory: Path, keep: int, protected: set[int]) -> list[int]:
     """Remove all but the newest `keep` checkpoints and the `protected` steps (0: keep all); a file
-    that a reader holds (its shared lock) stays until a later call. Returns the steps removed."""
+    that a reader holds (its shared lock) stays until a later call. Returns the steps removed.
+
+    The caller waits only for each file's rename to a name that is no checkpoint's: freeing the
+    blocks of a 12 GB file (its unlink) goes on in the background (free_in_background)."""
     found = list_checkpoints(directory)
     if keep < 1 or len(found) <= keep:
         return []
-    removed = []
+    removed, renamed = [], []
     for step, path in found[:-keep]:
         if step in protected:
             continue
+        pruned = directory / f".{path.name}{PRUNED_SUFFIX}"
         try:
             with path.open("rb") as handle:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                path.unlink()
+                os.replace(path, pruned)
         except (BlockingIOError, FileNotFoundError):
             continue  # being read now, or gone already
         removed.append(step)
+        renamed.append(pruned)
     if removed:
         fsync_directory(directory)
+        free_in_background(renamed)
     return removed
+
+
+_FREEING: list[threading.Thread] = []
+
+
+def free_in_background(paths: list[Path]) -> threading.Thread:
+    """Unlink pruned checkpoints on a thread of their own. Not a daemon: a trainer that exits waits
+    for it. One that is killed first leaves the files under their pruned names, which the next
+    checkpoint's write removes (remove_partial_writes); a lost unlink leaves no checkpoint behind."""
+    thread = threading.Thread(target=_unlink_all, args=(paths,), name="checkpoint-freeing")
+    _FREEING[:] = [t for t in _FREEING if t.is_alive()] + [thread]
+    thread.start()
+    return thread
+
+
+def _unlink_all(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def wait_for_freeing() -> None:
+    """Wait for the unlinks prune_checkpoints started (tests, and what needs the space now)."""
+    for thread in list(_FREEING):
+        thread.join()
 
 
 def read_checkpoint_bytes(path: Path) -> bytes:
