@@ -88,6 +88,9 @@ def exit_process(code: int) -> None:
     when another rank had just exited; torchrun then reported a failed rank after a clean end, and
     the other hosts' torchruns waited for it in their exit barrier."""
     if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")):
+        checkpoint = sys.modules.get("trainer.run.checkpoint")
+        if checkpoint is not None:
+            checkpoint.wait_for_freeing()  # os._exit does not wait for the unlink of a pruned file
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
