@@ -119,11 +119,16 @@ def test_ctrl_c_during_the_wait_says_the_trainer_runs_and_the_ledger_keeps_it_ru
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    frozen = None
     try:
         wait_for(
             lambda: any(line["state"] == "running" for line in ledger(state_dir)), 300, "the ledger's line"
         )
         (line,) = ledger(state_dir)
+        # The trainer is held still (its own session, so its group) until the Ctrl-C has ended the
+        # playbook: its first progress line must not end the wait before the Ctrl-C lands.
+        os.killpg(line["pid"], signal.SIGSTOP)
+        frozen = line["pid"]
         log = Path(line["log"])
         assert not (log.exists() and "\nstep " in log.read_text(errors="replace")), (
             "too late: it trains already"
@@ -136,6 +141,8 @@ def test_ctrl_c_during_the_wait_says_the_trainer_runs_and_the_ledger_keeps_it_ru
             # waiting on it (seen once on a loaded machine): a user presses Ctrl-C again.
             os.kill(playbook.pid, signal.SIGINT)
             playbook.wait(timeout=60)
+        os.killpg(frozen, signal.SIGCONT)
+        frozen = None
         said = output.read_text(errors="replace")
         assert f"  ct200: run nographs as PID {line['pid']}, log {line['log']}" in said, said[-3000:]
         assert "stop it with ./dev.sh stop" in said, said[-3000:]
@@ -146,6 +153,9 @@ def test_ctrl_c_during_the_wait_says_the_trainer_runs_and_the_ledger_keeps_it_ru
         assert ctl.stop()["state_before"] == "running"
         assert [row["state"] for row in ledger(state_dir)] == ["stopped"]
     finally:
+        if frozen is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(frozen, signal.SIGCONT)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(playbook.pid, signal.SIGKILL)
         stop_leftovers(ctl, state_dir)
