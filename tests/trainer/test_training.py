@@ -262,6 +262,46 @@ def test_worker_failure_stops_the_run(tmp_path, cache_dir, monkeypatch, capsys):
     assert leftover == [] and {t.name for t in threading.enumerate()} <= before | {"MainThread"}
 
 
+def test_a_stop_during_the_warm_up_waits_for_the_first_weights_copy(tmp_path, cache_dir, monkeypatch, capsys):
+    """SIGTERM while the workers warm up and the host copy of the first evaluation's weights is still
+    on its thread: the run stops before training with nothing to checkpoint, and it returns only
+    after the copy has ended, so nothing of the run goes on behind its end."""
+    import trainer.run.train as train
+    from trainer.parallel.replica import Replica
+
+    stopped, events = threading.Event(), []
+    real_copy, real_compute = train.host_copy, Replica.compute
+
+    def slow_copy(drafter):
+        if threading.current_thread().name != "first-weights":
+            return real_copy(drafter)
+        stopped.wait(timeout=60)
+        time.sleep(0.5)  # the stop goes on meanwhile: it must wait for this copy
+        weights = real_copy(drafter)
+        events.append("copy ended")
+        return weights
+
+    def stop_in_warm_up(self, *args, **kwargs):
+        if not stopped.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)  # what ./dev.sh stop sends
+            stopped.set()
+        return real_compute(self, *args, **kwargs)
+
+    monkeypatch.setattr(train, "host_copy", slow_copy)
+    monkeypatch.setattr(Replica, "compute", stop_in_warm_up)
+    out = tmp_path / "out"
+    code = main(
+        ["--run", "eager", "--out", str(out), "--steps", "10", "--set", f"data.cache_dir={cache_dir}"]
+    )
+    events.append("run returned")
+    said = capsys.readouterr().out
+    assert code == 0
+    assert "signal SIGTERM: checkpointing and exiting" in said and "nothing to checkpoint yet" in said, said
+    assert events == ["copy ended", "run returned"]
+    assert not [t for t in threading.enumerate() if t.name == "first-weights"]
+    assert "stopped at step 0" in said and list(out.glob("checkpoints/step_*.pt")) == []
+
+
 def test_compiled_run_says_it_compiles_each_worker_and_ends_with_done(tmp_path, cache_dir):
     out = tmp_path / "run"
     result = run_trainer(
