@@ -268,27 +268,35 @@ def test_a_stop_during_the_warm_up_waits_for_the_first_weights_copy(tmp_path, ca
     after the copy has ended, so nothing of the run goes on behind its end."""
     import trainer.run.train as train
     from trainer.parallel.replica import Replica
+    from trainer.parallel.topology import ThreadedTopology
 
-    stopped, events = threading.Event(), []
-    real_copy, real_compute = train.host_copy, Replica.compute
+    gave_up, events = threading.Event(), []
+    real_copy, real_compute, real_wait_ready = train.host_copy, Replica.compute, ThreadedTopology.wait_ready
 
     def slow_copy(drafter):
         if threading.current_thread().name != "first-weights":
             return real_copy(drafter)
-        stopped.wait(timeout=60)
+        gave_up.wait(timeout=60)
         time.sleep(0.5)  # the stop goes on meanwhile: it must wait for this copy
         weights = real_copy(drafter)
         events.append("copy ended")
         return weights
 
     def stop_in_warm_up(self, *args, **kwargs):
-        if not stopped.is_set():
+        if not gave_up.is_set():
             os.kill(os.getpid(), signal.SIGTERM)  # what ./dev.sh stop sends
-            stopped.set()
+            gave_up.wait(timeout=60)  # the warm-up goes on until the run has seen the stop
         return real_compute(self, *args, **kwargs)
+
+    def wait_ready(self, should_stop):
+        ready = real_wait_ready(self, should_stop)
+        if not ready:
+            gave_up.set()
+        return ready
 
     monkeypatch.setattr(train, "host_copy", slow_copy)
     monkeypatch.setattr(Replica, "compute", stop_in_warm_up)
+    monkeypatch.setattr(ThreadedTopology, "wait_ready", wait_ready)
     out = tmp_path / "out"
     code = main(
         ["--run", "eager", "--out", str(out), "--steps", "10", "--set", f"data.cache_dir={cache_dir}"]
@@ -297,7 +305,7 @@ def test_a_stop_during_the_warm_up_waits_for_the_first_weights_copy(tmp_path, ca
     said = capsys.readouterr().out
     assert code == 0
     assert "signal SIGTERM: checkpointing and exiting" in said and "nothing to checkpoint yet" in said, said
-    assert events == ["copy ended", "run returned"]
+    assert gave_up.is_set() and events == ["copy ended", "run returned"]
     assert not [t for t in threading.enumerate() if t.name == "first-weights"]
     assert "stopped at step 0" in said and list(out.glob("checkpoints/step_*.pt")) == []
 
