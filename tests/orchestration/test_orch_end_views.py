@@ -23,6 +23,33 @@ from dflashctl import PlaybookFailed
 pytestmark = pytest.mark.slow
 
 
+def runs_the_wait(playbook_pid: int, settled_s: float = 1.5) -> bool:
+    """A module has run under this playbook for settled_s: with the trainer held still, only the
+    wait's can (each other task's module ends at once). A module runs in a process under a worker,
+    which is in a session of its own but still the playbook's child; the trainer is not below it."""
+    parents, ages = {}, {}
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        parents[int(proc.name)] = int(fields[1])
+        ages[int(proc.name)] = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    for pid, age in ages.items():
+        if age < settled_s or parents.get(pid) == playbook_pid:
+            continue
+        ancestor = parents.get(pid, 1)
+        while ancestor > 1 and ancestor != playbook_pid:
+            ancestor = parents.get(ancestor, 1)
+        if ancestor == playbook_pid:
+            return True
+    return False
+
+
 def wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -134,13 +161,17 @@ def test_ctrl_c_during_the_wait_says_the_trainer_runs_and_the_ledger_keeps_it_ru
         assert not (log.exists() and "\nstep " in log.read_text(errors="replace")), (
             "too late: it trains already"
         )
+        # In the wait itself: a Ctrl-C that lands while a task's worker hands its result back (the
+        # ledger's line is written just before) can leave ansible-core waiting on that worker's
+        # lock in its cleanup.
+        wait_for(lambda: runs_the_wait(playbook.pid), 300, "the wait's module")
         os.killpg(playbook.pid, signal.SIGINT)  # what Ctrl-C in its terminal does
         try:
             playbook.wait(timeout=60)
             honoured = True
         except subprocess.TimeoutExpired:
-            # On a loaded machine ansible-playbook has gone on past a Ctrl-C now and then (its
-            # handler is then reset): a user presses Ctrl-C again, which ends it without its words.
+            # Should ansible-playbook hang in its cleanup all the same: a user presses Ctrl-C again,
+            # which ends it at once (its handler was reset by the first) without its words.
             honoured = False
             warnings.warn("ansible-playbook outlived the first Ctrl-C by 60 s", stacklevel=1)
             os.kill(playbook.pid, signal.SIGINT)
