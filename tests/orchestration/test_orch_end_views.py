@@ -162,8 +162,8 @@ def test_ctrl_c_during_the_wait_says_the_trainer_runs_and_the_ledger_keeps_it_ru
             "too late: it trains already"
         )
         # In the wait itself: a Ctrl-C that lands while a task's worker hands its result back (the
-        # ledger's line is written just before) can leave ansible-core waiting on that worker's
-        # lock in its cleanup.
+        # ledger's line is written just before) can leave ansible-core waiting on its result
+        # queue's lock in its cleanup.
         wait_for(lambda: runs_the_wait(playbook.pid), 300, "the wait's module")
         os.killpg(playbook.pid, signal.SIGINT)  # what Ctrl-C in its terminal does
         try:

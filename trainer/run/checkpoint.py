@@ -493,14 +493,13 @@ def prune_checkpoints(directory: Path, keep: int, protected: set[int]) -> list[i
 _FREEING: list[threading.Thread] = []
 
 
-def free_in_background(paths: list[Path]) -> threading.Thread:
+def free_in_background(paths: list[Path]) -> None:
     """Unlink pruned checkpoints on a thread of their own. Not a daemon: a trainer that exits waits
     for it. One that is killed first leaves the files under their pruned names, which the next
     checkpoint's write removes (remove_partial_writes); a lost unlink leaves no checkpoint behind."""
     thread = threading.Thread(target=_unlink_all, args=(paths,), name="checkpoint-freeing")
     _FREEING[:] = [t for t in _FREEING if t.is_alive()] + [thread]
     thread.start()
-    return thread
 
 
 def _unlink_all(paths: list[Path]) -> None:
