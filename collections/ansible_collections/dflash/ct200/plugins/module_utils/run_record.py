@@ -45,7 +45,6 @@ from pathlib import Path
 RECORD_NAME = "run.json"
 RECORD_FORMAT = 1
 CHECKPOINT_NAME_RE = re.compile(r"^step_(\d{8})\.pt$")
-TEMP_CHECKPOINT_RE = re.compile(r"^\.step_\d{8}\.pt\.\d+\.tmp$")
 # The environment variable through which a starter hands its locked file descriptor to
 # trainer.launch (it then keeps that lock instead of taking its own).
 LOCK_FD_ENV = "DFLASH_OUT_LOCK_FD"
