@@ -7,9 +7,11 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -218,6 +220,32 @@ def processes_under(root: Path) -> list[int]:
         if cwd == root or cwd.startswith(root + os.sep) or root.encode() in cmdline:
             found.append(int(proc.name))
     return found
+
+
+def press_ctrl_c(playbook: subprocess.Popen, output: Path, patience_s: float = 20) -> bool:
+    """Ctrl-C to an ansible-playbook started in a session of its own, as its terminal sends it (to
+    its process group); whether that first one ended it. ansible-core ends on it within a second
+    nearly always, but a Ctrl-C that lands as a task's worker hands its result back can leave it
+    waiting on its result queue's lock in its cleanup (a stack dump showed it), never ending. Its
+    handler restores the default action on the first SIGINT, so a second one ends it at once,
+    without its words, as pressing Ctrl-C again does; that is warned, with its process tree and
+    output, since the caller can then check only the run's truth."""
+    os.killpg(playbook.pid, signal.SIGINT)
+    try:
+        playbook.wait(timeout=patience_s)
+        return True
+    except subprocess.TimeoutExpired:
+        pass
+    tree = subprocess.run(
+        ["ps", "-o", "pid,ppid,stat,etime,args", "-s", str(playbook.pid)], capture_output=True, text=True
+    ).stdout
+    tail = output.read_text(errors="replace")[-2000:]
+    warnings.warn(
+        f"ansible-playbook outlived the first Ctrl-C by {patience_s:g} s:\n{tree}\n{tail}", stacklevel=2
+    )
+    os.killpg(playbook.pid, signal.SIGINT)
+    playbook.wait(timeout=60)
+    return False
 
 
 def stop_leftovers(ctl: Controller, state_dir: Path) -> None:

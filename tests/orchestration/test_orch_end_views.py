@@ -12,11 +12,18 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import pytest
-from conftest import ENDLESS_TINY_RUN, REPO, is_our_trainer, ledger, make_controller, stop_leftovers
+from conftest import (
+    ENDLESS_TINY_RUN,
+    REPO,
+    is_our_trainer,
+    ledger,
+    make_controller,
+    press_ctrl_c,
+    stop_leftovers,
+)
 
 from dflashctl import PlaybookFailed
 
@@ -29,6 +36,7 @@ def runs_the_wait(playbook_pid: int, settled_s: float = 1.5) -> bool:
     which is in a session of its own but still the playbook's child; the trainer is not below it."""
     parents, ages = {}, {}
     uptime = float(Path("/proc/uptime").read_text().split()[0])
+    ticks = os.sysconf("SC_CLK_TCK")
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -38,7 +46,7 @@ def runs_the_wait(playbook_pid: int, settled_s: float = 1.5) -> bool:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
         parents[int(proc.name)] = int(fields[1])
-        ages[int(proc.name)] = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        ages[int(proc.name)] = uptime - int(fields[19]) / ticks
     for pid, age in ages.items():
         if age < settled_s or parents.get(pid) == playbook_pid:
             continue
@@ -165,17 +173,7 @@ def test_ctrl_c_during_the_wait_says_the_trainer_runs_and_the_ledger_keeps_it_ru
         # ledger's line is written just before) can leave ansible-core waiting on its result
         # queue's lock in its cleanup.
         wait_for(lambda: runs_the_wait(playbook.pid), 300, "the wait's module")
-        os.killpg(playbook.pid, signal.SIGINT)  # what Ctrl-C in its terminal does
-        try:
-            playbook.wait(timeout=60)
-            honoured = True
-        except subprocess.TimeoutExpired:
-            # Should ansible-playbook hang in its cleanup all the same: a user presses Ctrl-C again,
-            # which ends it at once (its handler was reset by the first) without its words.
-            honoured = False
-            warnings.warn("ansible-playbook outlived the first Ctrl-C by 60 s", stacklevel=1)
-            os.kill(playbook.pid, signal.SIGINT)
-            playbook.wait(timeout=60)
+        honoured = press_ctrl_c(playbook, output)
         os.killpg(frozen, signal.SIGCONT)
         frozen = None
         said = output.read_text(errors="replace")
