@@ -19,6 +19,7 @@ from trainer.data.engine import step as paged_step
 from trainer.data.engine.scheduler import Scheduler, Sequence
 from trainer.data.regen import DataIndex, Progress, Regeneration, RegenSettings, run_workers
 from trainer.model.target import load_target, load_tokenizer
+from trainer.run.regen import slot_steps_text
 
 pytestmark = pytest.mark.unit
 
@@ -452,6 +453,16 @@ def test_a_paged_stage_writes_the_static_stage_s_shards_byte_for_byte(
     answers = [content for e in regen.examples() for role, content in e.turns if role == "assistant"]
     cut = sum(len(answer) >= 12 for answer in answers)  # max_new_tokens: the cap decided their end
     assert (progress.answers, progress.cut) == (len(answers), cut)  # the data line says how many hit the cap
+    # every decode step is counted once, of the engine's 3 slots: at least one answer token a step
+    # and at most one a slot, the first token of each answer coming from its prefill
+    assert progress.slot_steps == 3 * progress.decode_steps
+    assert progress.decode_steps <= progress.tokens - len(answers) <= progress.slot_steps
+    line = slot_steps_text(progress.snapshot())
+    used = (progress.tokens - len(answers)) / progress.slot_steps
+    assert line == (
+        f", {progress.decode_steps:,} decode steps, {used:.0%} of "
+        "their slot-steps decoding an answer token"
+    )
     turns = [[role for role, _ in e.turns] for e in regen.examples()]
     assert turns[2] == turns[6] == [m["role"] for m in MULTI_TURN["messages"]]
 

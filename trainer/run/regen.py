@@ -313,7 +313,7 @@ def stage_ended(regeneration: Regeneration, progress: Progress, out, out_dir, wo
     end_text = (
         f"regenerated {fresh:,} conversations, {row['tokens']:,} tokens in "
         f"{row['elapsed_s']:.1f}s ({row['tokens_per_s']:,.0f} tok/s), "
-        f"{cut_text(row, regeneration.settings)}, cached at {regeneration.directory}"
+        f"{cut_text(row, regeneration.settings)}{slot_steps_text(row)}, cached at {regeneration.directory}"
     )
     out.line(f"data: {end_text}")
     note_stage(out_dir, world, "regenerated", row)
@@ -327,6 +327,18 @@ def cut_text(row: dict, settings: RegenSettings) -> str:
     return (
         f"{row['answers_cut']:,} of {row['answers']:,} answers cut at the cap of "
         f"{settings.max_new_tokens:,} tokens (data.regen_max_new_tokens)"
+    )
+
+
+def slot_steps_text(row: dict) -> str:
+    """The paged engine's use of its slots: a share well under 90 % on a large set says the slots
+    idle (answers waiting on their conversation's previous turn, a pool too small for the slots)."""
+    if not row.get("slot_steps"):
+        return ""
+    decoded = row["tokens"] - row["answers"]  # each answer's first token comes from its prefill
+    return (
+        f", {row['decode_steps']:,} decode steps, {decoded / row['slot_steps']:.0%} of their slot-steps "
+        "decoding an answer token"
     )
 
 

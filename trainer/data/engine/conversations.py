@@ -129,11 +129,16 @@ def paged_shards(regeneration, ranges: Iterable[tuple[int, int]], target, progre
         conversation_done(shard)
         return requests
 
+    counted_steps = 0  # the running engine's decode steps already in the progress
+
     def answered(key, answer: list[int]) -> list:
+        nonlocal counted_steps
         start, i, turn = key
         shard = in_flight[start]
         shard.examples[i].turns[turn] = ("assistant", answer)
-        progress.add(0, len(answer), 1, int(len(answer) >= settings.max_new_tokens))
+        steps, counted_steps = engine.decode_steps - counted_steps, engine.decode_steps
+        progress.add(0, len(answer), 1, int(len(answer) >= settings.max_new_tokens), steps,
+                     steps * engine.settings.slots)  # fmt: skip
         following = next_turn(shard, i, turn)
         if not following:
             conversation_done(shard)
@@ -154,6 +159,7 @@ def paged_shards(regeneration, ranges: Iterable[tuple[int, int]], target, progre
                 )
             raise DataError(f"{exc}{limited} (the shards finished so far are kept)") from None
         engine = engine_for(target, engine_settings)
+        counted_steps = 0
         first, pending = begin(pending), None
 
         def more(longest_fitting=engine_settings.max_tokens) -> list:
