@@ -17,6 +17,11 @@ cache (docs/PERFORMANCE.md gives what a shape costs cold and warm). Each row als
 batches cost if every regenerated answer ends where the file's does: a batch decodes until its
 longest answer has ended (read every 16 tokens), so with a large --new-tokens the rows whose
 answers ended early wait for it; "row-steps used" is the share of rows x steps that are answers.
+--paged SLOTS:CHUNK,...: the paged engine's scheduler over the same shards, one stream (a
+conversation's next turn queued when its answer is done); --answers-at-cap: every answer as long as
+--new-tokens (what a random-weights target gives, as in the GPU benches), and beside the stream
+every turn queued at once, as regen_bench's paged row runs a chat file's prompts: the two differ
+by the steps a next turn waits for the answer before it.
 """
 
 from __future__ import annotations
@@ -190,6 +195,10 @@ def main() -> int:
     parser.add_argument(
         "--by-shard", action="store_true", help="--paged: also each shard alone, through an engine of its own"
     )
+    parser.add_argument(
+        "--answers-at-cap", action="store_true",
+        help="--paged: every answer --new-tokens long (a random-weights target's), every turn at once beside",
+    )  # fmt: skip
     args = parser.parse_args()
     d = DataConfig()
     settings_pairs = [pair for pair in (args.paged or "").split(",") if pair]
@@ -237,8 +246,15 @@ def main() -> int:
                         figure[4] += steps * rows
             if limit == args.seq_len and paged:  # the product leaves the turns past the rows out
                 turns = conversation_turns(rounds, lengths, owners, len(examples))
+                if args.answers_at_cap:
+                    turns = [[(prompt, args.new_tokens) for prompt, _ in turn_list] for turn_list in turns]
                 paged_shards.append((turns, longest_sequence(examples, chat, args.new_tokens, limit)))
     by_shard = {key: PagedLayout() for key in paged} if args.by_shard else {}
+    at_once = {key: PagedLayout() for key in paged} if args.answers_at_cap else {}
+    for (slots, chunk), layout in at_once.items():  # each turn a conversation of its own
+        apart = [([[turn] for conversation in turns for turn in conversation], longest)
+                 for turns, longest in paged_shards]  # fmt: skip
+        layout.add(paged_layout(apart, args.new_tokens, slots, chunk, d.regen_page_size, pool_pages))
     for (slots, chunk), layout in paged.items():  # one worker's stream over every shard
         layout.add(paged_layout(paged_shards, args.new_tokens, slots, chunk, d.regen_page_size, pool_pages))
         for shard in paged_shards if args.by_shard else []:
@@ -258,6 +274,7 @@ def main() -> int:
             )
     rows = [(key, layout, "one stream") for key, layout in paged.items()]
     rows += [(key, layout, "shard by shard") for key, layout in by_shard.items()]
+    rows += [(key, layout, "every turn at once") for key, layout in at_once.items()]
     for (slots, chunk), layout, how in rows:
         print(
             f"{'':>8}paged engine {how}, {slots:>4} slots, prefill chunks of {chunk:>5}, "

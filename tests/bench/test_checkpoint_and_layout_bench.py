@@ -64,3 +64,30 @@ def test_the_layout_bench_counts_the_turns_past_the_rows(tmp_path: Path) -> None
     # first from the prefill, the second from one decode step of 2 slots, one of them decoding.
     paged = r"paged engine (one stream|shard by shard), +2 slots, .* iterations, (\d+) decode steps, (\d+)%"
     assert re.findall(paged, out) == [("one stream", "1", "50"), ("shard by shard", "1", "50")], out
+
+
+@pytest.mark.slow
+def test_the_layout_bench_with_answers_at_the_cap_sets_the_stream_beside_every_turn_at_once(
+    tmp_path: Path,
+) -> None:
+    from trainer.data.embedded import ensure_embedded
+
+    target, _ = ensure_embedded(tmp_path / "cache")  # its tokenizer
+    two_turns = [
+        {"role": "user", "content": "one two"}, {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "three"}, {"role": "assistant", "content": "y"},
+    ]  # fmt: skip
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": two_turns}) + "\n")
+    out = run(
+        "bench/regen_layout_bench.py", str(data), str(target), "--seq-len", "512", "--new-tokens", "8",
+        "--paged", "2:64", "--answers-at-cap",
+    )  # fmt: skip
+    # Each answer is 8 tokens whatever the file's (1 and 1): the first from its prefill, 7 from decode
+    # steps. The stream queues the second turn when the first answer is done: 7 + 7 steps, one slot of
+    # two decoding; at once both turns decode side by side: 7 steps, both slots decoding.
+    paged = (
+        r"paged engine (one stream|every turn at once), +2 slots, .* iterations, (\d+) decode steps, "
+        r"(\d+)%"
+    )
+    assert re.findall(paged, out) == [("one stream", "14", "50"), ("every turn at once", "7", "100")], out
