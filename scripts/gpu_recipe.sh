@@ -38,7 +38,11 @@
 #          (default 48: 61 prompts of up to 1,111 tokens, one batch of width 2,048 at each cap, so
 #          three shapes compile cold and the stage fits a call); LENGTHS_PASSES (default 2: the
 #          first compiles what is new, the second is the steady figure).
-# Usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, all), in order;
+#   first-start: launch.yml -e run=qwen3-8b -e fresh=true into an empty compile cache (the data
+#          stage's shards, if any, kept) to its first progress, its startup breakdown, nvidia-smi
+#          and the training's peak GPU memory in its step rows, then stop.yml: whether a bare
+#          machine's first start fits the card (EXTRA_SET=train.batch_size=N).
+# Usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, first-start, all), in order;
 # e.g. `data`, then `train`, then `export warm-compare`: the recipe from an empty state and the
 # product's regeneration against its bench, in three calls.
 # Each stage fits a device call of ten minutes. On one H200 (2026-12-05, docs/PERFORMANCE.md) with
@@ -60,7 +64,7 @@
 # Every process it starts is ended by PID, also on failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, all)}
+STAGE=${1:?usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, first-start, all)}
 OUT=${OUT:-/tmp/gpu_recipe}
 # compare builds its own, smaller chat set: a directory of its own, so data and train find theirs.
 RECIPE_DIR=${RECIPE_DIR:-/tmp/dflash-$([ "$STAGE" = compare ] && echo compare || echo recipe)}
@@ -291,6 +295,26 @@ stage_export() {
         2>&1 | grep -v "^Loading" | tee "$OUT/reference_check.log" | tail -n 8 | sed 's/^/   /'
 }
 
+stage_first_start() {  # a launch into an empty compile cache to its first progress, then stopped
+    build_model
+    rm -rf "$STATE/workspace/cache/compile"
+    playbook launch first_start.log -e run=qwen3-8b -e "steps=$STEPS" -e fresh=true \
+        || grep -E "FAILED|msg" "$OUT/first_start.log" | head -6 | sed 's/^/   /'
+    grep -E "PID|first progress" "$OUT/first_start.log" | head -3 | sed 's/^/   /'
+    startup_breakdown "first start"
+    sleep 10  # a few steps: the training's peak memory in their rows
+    gpus | sed 's/^/   GPU /'
+    playbook stop stop_first.log || true
+    local log=$STATE/workspace/train_qwen3-8b.log
+    grep -E "^startup|^step|memory|^checkpoint|rror" "$log" | head -12 | sed 's/^/   /'
+    python3 - "$STATE/workspace/runs/qwen3-8b/metrics.jsonl" <<'PY' || true
+import json, sys
+peaks = [row["gpu_peak_gib"] for row in map(json.loads, open(sys.argv[1])) if "gpu_peak_gib" in row]
+print(f"   the training's peak GPU memory (max_memory_allocated) in its step rows: {max(peaks) if peaks else 'none'} GiB")
+PY
+    cp "$log" "$OUT/first_start_train_qwen3-8b.log"
+}
+
 regen_pass() {  # regen_pass NAME: regen.yml over no regenerated data, to its end or REGEN_BUDGET_S
     local log=$STATE/workspace/train_qwen3-8b.log
     rm -rf "$STATE/workspace/cache/regenerated"
@@ -391,8 +415,9 @@ for stage in "${@}"; do
         warm-compare) stage_warm_compare ;;
         bench) stage_bench ;;
         lengths) stage_lengths ;;
+        first-start) stage_first_start ;;
         all) stage_data; stage_train; stage_export ;;
-        *) echo "usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, all)" >&2; exit 2 ;;
+        *) echo "usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, first-start, all)" >&2; exit 2 ;;
     esac
     say "== $stage done"
 done
