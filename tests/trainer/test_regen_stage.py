@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from trainer.data.chat import iter_conversations
+from trainer.run import runrecord
 
 from .conftest import REPO, run_trainer
 
@@ -61,11 +63,18 @@ def sealed(cache: Path) -> list[Path]:
 
 
 def test_a_sigkill_half_way_then_a_rerun_equals_an_uninterrupted_regeneration(tmp_path, embedded, small_data):
+    # A run record the stage notes its figures in: its recorded PID this process, the stage's parent.
+    runrecord.write_record(tmp_path / "r1", {"run_id": "whole", "pid": os.getpid(), "state": "running"})
     whole = regen(
         *regen_args(embedded, small_data, tmp_path / "c1", tmp_path / "whole.jsonl", tmp_path / "r1")
     )
     assert whole.returncode == 0, whole.stderr
     assert "regen: 40/40 conversations" in whole.stdout
+    # the paged engine (the default) says how busy its slots were, in its line and in the run record
+    used = r"[0-9,]+ decode steps, [0-9]+% of their slot-steps decoding an answer token"
+    assert re.search(used, whole.stdout), whole.stdout
+    stage = json.loads((tmp_path / "r1" / "run.json").read_text())["regen"]
+    assert 0 < stage["decode_steps"] <= stage["slot_steps"] and stage["tokens"] > 0, stage
 
     args = regen_args(embedded, small_data, tmp_path / "c2", tmp_path / "resumed.jsonl", tmp_path / "r2")
     log = tmp_path / "killed.log"

@@ -355,6 +355,7 @@ def note_stage(out_dir: Path | None, world, stage: str, row: dict) -> None:
     """The stage and its progress in the run record, for status (one process per host writes it)."""
     if out_dir is None or world.local_rank != 0:
         return
-    keys = ("conversations", "total", "tokens", "answers", "answers_cut", "tokens_per_s", "eta_s")
+    keys = ("conversations", "total", "tokens", "answers", "answers_cut", "decode_steps", "slot_steps",
+            "tokens_per_s", "eta_s")  # fmt: skip
     regen = {k: row[k] for k in keys}
     runrecord.note(out_dir, stage=stage, regen=regen)
