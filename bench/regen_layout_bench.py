@@ -251,9 +251,9 @@ def main() -> int:
                 paged_shards.append((turns, longest_sequence(examples, chat, args.new_tokens, limit)))
     by_shard = {key: PagedLayout() for key in paged} if args.by_shard else {}
     at_once = {key: PagedLayout() for key in paged} if args.answers_at_cap else {}
+    apart = [([[turn] for conversation in turns for turn in conversation], longest)
+             for turns, longest in paged_shards] if at_once else []  # fmt: skip
     for (slots, chunk), layout in at_once.items():  # each turn a conversation of its own
-        apart = [([[turn] for conversation in turns for turn in conversation], longest)
-                 for turns, longest in paged_shards]  # fmt: skip
         layout.add(paged_layout(apart, args.new_tokens, slots, chunk, d.regen_page_size, pool_pages))
     for (slots, chunk), layout in paged.items():  # one worker's stream over every shard
         layout.add(paged_layout(paged_shards, args.new_tokens, slots, chunk, d.regen_page_size, pool_pages))

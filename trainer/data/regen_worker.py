@@ -102,9 +102,9 @@ class SentProgress:
     def __init__(self, send: Callable[[dict], None]):
         self.send = send
 
-    def add(self, conversations: int, tokens: int, answers: int = 0, cut: int = 0, decode_steps: int = 0,
-            slot_steps: int = 0) -> None:  # fmt: skip
-        self.send({"progress": [conversations, tokens, answers, cut, decode_steps, slot_steps]})
+    def add(self, conversations: int, tokens: int, answers: int = 0, cut: int = 0,
+            decode_steps: int = 0) -> None:  # fmt: skip
+        self.send({"progress": [conversations, tokens, answers, cut, decode_steps]})
 
 
 # ---- the parent ----

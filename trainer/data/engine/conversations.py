@@ -129,16 +129,11 @@ def paged_shards(regeneration, ranges: Iterable[tuple[int, int]], target, progre
         conversation_done(shard)
         return requests
 
-    counted_steps = 0  # the running engine's decode steps already in the progress
-
     def answered(key, answer: list[int]) -> list:
-        nonlocal counted_steps
         start, i, turn = key
         shard = in_flight[start]
         shard.examples[i].turns[turn] = ("assistant", answer)
-        steps, counted_steps = engine.decode_steps - counted_steps, engine.decode_steps
-        progress.add(0, len(answer), 1, int(len(answer) >= settings.max_new_tokens), steps,
-                     steps * engine.settings.slots)  # fmt: skip
+        progress.add(0, len(answer), 1, int(len(answer) >= settings.max_new_tokens))
         following = next_turn(shard, i, turn)
         if not following:
             conversation_done(shard)
@@ -159,7 +154,6 @@ def paged_shards(regeneration, ranges: Iterable[tuple[int, int]], target, progre
                 )
             raise DataError(f"{exc}{limited} (the shards finished so far are kept)") from None
         engine = engine_for(target, engine_settings)
-        counted_steps = 0
         first, pending = begin(pending), None
 
         def more(longest_fitting=engine_settings.max_tokens) -> list:
@@ -181,6 +175,7 @@ def paged_shards(regeneration, ranges: Iterable[tuple[int, int]], target, progre
                                       more=more)  # fmt: skip
         if answers is None:
             return False
+        progress.add(0, 0, decode_steps=engine.decode_steps)
     return True
 
 
