@@ -191,6 +191,16 @@ def memory_bound_tokens_per_s(
     return in_flight * bandwidth_tbs * 1e12 / step_bytes
 
 
+def iteration_window(text: str) -> tuple[int, int]:
+    try:
+        first, count = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST:COUNT (two integers), got {text!r}") from None
+    if first < 0 or count < 1:
+        raise argparse.ArgumentTypeError(f"expected FIRST >= 0 and COUNT >= 1, got {text!r}")
+    return first, count
+
+
 def profiled(device, run):
     """run() under torch.profiler; prints the operators that took the most time (device time on
     CUDA), so a slow row shows whether it waits on kernels, launches or the host."""
@@ -729,6 +739,11 @@ def parse_args() -> argparse.Namespace:
         help="paged: the first pass (which compiles the one decode shape) over the first N prompts only "
         "(0: all); the second pass runs them all",
     )  # fmt: skip
+    parser.add_argument(
+        "--profile-iterations", type=iteration_window, default=None, metavar="FIRST:COUNT",
+        help="paged: iterations FIRST.. of the second pass under torch.profiler (COUNT of them); prints "
+        "their top operators by device time",
+    )  # fmt: skip
     parser.add_argument("--workers", default="2", help="workers row: worker processes, a comma list")
     parser.add_argument("--warm", action="store_true", help="then a fresh process over the compile cache")
     parser.add_argument(
@@ -981,19 +996,54 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
 
 
 class PassProgress:
-    """A line every 30 s of a paged pass (a long pass otherwise shows nothing until it ends)."""
+    """A line every 30 s of a paged pass (a long pass otherwise shows nothing until it ends); with
+    window (first, count): iterations first..first+count-1 of the pass under torch.profiler, its
+    top operators by device time printed after them."""
 
-    def __init__(self, engine, every_s: float = 30.0):
-        self.engine, self.every_s = engine, every_s
+    def __init__(self, engine, every_s: float = 30.0, window: tuple[int, int] | None = None, device=None):
+        self.engine, self.every_s, self.window, self.device = engine, every_s, window, device
         self.began = self.last = time.perf_counter()
+        self.iteration, self.profiler = 0, None
 
     def tick(self) -> bool:
+        if self.window is not None:
+            self.profile_window()
         now = time.perf_counter()
         if now - self.last >= self.every_s:
             self.last = now
             print(f"      {now - self.began:.0f} s: {self.engine.decode_steps} decode steps, "
                   f"{self.engine.prefill_chunks} prefill chunks so far", flush=True)  # fmt: skip
         return False
+
+    def profile_window(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        first, count = self.window
+        if self.iteration == first:
+            cuda = self.device is not None and self.device.type == "cuda"
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            self.profiler = profile(activities=activities)
+            self.profiler.__enter__()
+            self.seconds_before = self.engine.seconds.copy()
+            self.began_window = time.perf_counter()
+        elif self.iteration == first + count and self.profiler is not None:
+            synchronize(self.device)
+            self.profiler.__exit__(None, None, None)
+            seconds = time.perf_counter() - self.began_window
+            spent = self.engine.seconds - self.seconds_before
+            print(f"    profiled iterations {first}-{first + count - 1}: {seconds:.2f} s; "
+                  + loop_breakdown(spent, seconds), flush=True)  # fmt: skip
+            cuda = self.device.type == "cuda"
+            sort = "cuda_time_total" if cuda else "cpu_time_total"
+            print(self.profiler.key_averages().table(sort_by=sort, row_limit=20), flush=True)
+            self.profiler = None
+        self.iteration += 1
+
+
+def loop_breakdown(spent, seconds: float) -> str:
+    """The paged engine's loop time by part (PagedEngine.seconds), as shares of `seconds`."""
+    parts = ("decode inputs", "decode wait", "decode outputs", "prefill", "scheduling")
+    return ", ".join(f"{part} {spent[part]:.1f} s ({spent[part] / max(seconds, 1e-9):.0%})" for part in parts)
 
 
 def paged_row(
@@ -1017,8 +1067,11 @@ def paged_row(
         graphs = counters["stats"]["unique_graphs"]
         answers: dict = {}
 
-        def run(answers=answers, requests=requests):
-            progress = PassProgress(engine)
+        window = args.profile_iterations if attempt == 2 else None
+        seconds_before = engine.seconds.copy()
+
+        def run(answers=answers, requests=requests, window=window):
+            progress = PassProgress(engine, window=window, device=device)
             answers.update(engine.generate(requests, new_tokens, end_id, answer_limit=answer_limit,
                                            should_stop=progress.tick))  # fmt: skip
             return [answers[key] for key, _ in requests]
@@ -1036,6 +1089,12 @@ def paged_row(
             f"slot-steps decoded an answer token; Dynamo compiled {compiled} graph(s)",
             flush=True,
         )
+        spent = engine.seconds - seconds_before
+        loop = sum(spent.values())
+        print(f"    the loop's {loop:.1f} s: {loop_breakdown(spent, loop)}; a decode step "
+              f"{1000 * (spent['decode inputs'] + spent['decode wait']) / max(steps, 1):.1f} ms from its "
+              f"inputs to its tokens, a prefill chunk {1000 * spent['prefill'] / max(chunks, 1):.1f} ms",
+              flush=True)  # fmt: skip
         if answer_lengths:
             ordered = [answers[key] for key, _ in requests]
             print(f"    {ended_line(prompts[:count], ordered, answer_lengths, new_tokens)}", flush=True)

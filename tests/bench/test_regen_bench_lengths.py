@@ -102,3 +102,22 @@ def test_continuous_batching_tuned_ends_each_request_at_its_length(tmp_path):
     assert re.search(r"^ +answers equal: 8/8$", out, re.MULTILINE), out
     tokens = re.search(r"^continuous \(tuned\) +8 prompts +[\d.]+ s +(\d+) tokens", out, re.MULTILINE)
     assert tokens and int(tokens[1]) == sum(min(n, CAP) for n in lengths), out
+
+
+@pytest.mark.slow
+def test_the_paged_row_says_where_its_loop_went_and_profiles_the_iterations_asked_for(tmp_path):
+    out = bench(tmp_path, "--rows", "paged", "--answer-lengths", "lognormal:6:40", "--slots", "4",
+                "--profile-iterations", "2:3")  # fmt: skip
+    loop = re.findall(r"^ +the loop's ([\d.]+) s: decode inputs .* a decode step ([\d.]+) ms", out, re.M)
+    assert len(loop) == 2 and all(float(ms) > 0 for _, ms in loop), out  # both passes
+    assert re.search(r"^ +profiled iterations 2-4: [\d.]+ s; decode inputs", out, re.MULTILINE), out
+    assert "aten::" in out, out  # the profiler's table
+
+
+@pytest.mark.parametrize("window", ["3", "a:2", "-1:2", "2:0"])
+def test_a_bad_profile_window_is_refused_naming_the_form(window) -> None:
+    result = subprocess.run(
+        [sys.executable, "bench/regen_bench.py", "--profile-iterations", window, "--rows", "paged"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "FIRST:COUNT" in result.stderr, result.stderr

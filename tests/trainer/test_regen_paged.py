@@ -75,6 +75,20 @@ def test_every_answer_equals_greedy_generate_of_its_prompt_alone(tiny, prompts_a
     assert paged.prefill_chunks > len(prompts)  # chunked
 
 
+def test_the_loop_s_time_is_told_by_part_and_adds_up_to_no_more_than_the_wall_time(tiny, prompts_and_answers):
+    import time
+
+    prompts, end_id, _ = prompts_and_answers
+    paged = engine(tiny[0])
+    began = time.perf_counter()
+    paged.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+    wall = time.perf_counter() - began
+    parts = {"decode inputs", "decode wait", "decode outputs", "prefill", "scheduling"}
+    assert set(paged.seconds) == parts
+    assert all(paged.seconds[part] > 0 for part in ("decode inputs", "prefill"))
+    assert sum(paged.seconds.values()) <= wall
+
+
 def test_a_flex_step_that_fails_is_said_once_and_the_engine_gathers_with_the_same_answers(
     tiny, prompts_and_answers, monkeypatch
 ):

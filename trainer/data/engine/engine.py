@@ -9,6 +9,8 @@ held before."""
 from __future__ import annotations
 
 import sys
+import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -99,6 +101,11 @@ class PagedEngine:
         self.graphed = settings.compile and parameter.device.type == "cuda"
         self.steps = self.decode_steps_with(settings.attention)
         self.iterations = self.decode_steps = self.prefill_chunks = self.preemptions = 0
+        # Where the loop's wall time goes, in seconds (a bench prints it): "decode inputs" (the
+        # host building a step's inputs and launching it), "decode wait" (until its tokens are on
+        # the host: the device's step, where the host waits for it), "decode outputs", "prefill"
+        # (a chunk, eager, its tokens read back) and "scheduling" (admit, grow, release, follow-ups).
+        self.seconds: Counter = Counter()
         # The decode table on the host, each slot's row written again only when its sequence
         # (admission) or its page count changes; table_rows says what each row holds.
         self.host_table = torch.zeros(settings.slots, settings.max_pages, dtype=torch.long)
@@ -189,16 +196,23 @@ class PagedEngine:
                 break
             if should_stop():
                 return None
+            began = time.perf_counter()
             scheduler.admit()
             scheduler.grow()
+            self.seconds["scheduling"] += time.perf_counter() - began
             ended = self.decode(scheduler, end_id)
+            began = time.perf_counter()
             ended += self.prefill(scheduler, end_id)
+            now = time.perf_counter()
+            self.seconds["prefill"] += now - began
+            began = now
             for sequence in ended:
                 scheduler.release(sequence)
                 answer = sequence.answer[:-1] if sequence.answer[-1] == end_id else sequence.answer
                 if more is None:
                     answers[sequence.key] = answer
                 add(follow_up(sequence.key, answer) if follow_up else ())
+            self.seconds["scheduling"] += time.perf_counter() - began
             self.iterations += 1
         self.preemptions += scheduler.preemptions
         return answers
@@ -213,6 +227,7 @@ class PagedEngine:
         return Sequence(key, list(prompt), limit=limit)
 
     def decode(self, scheduler: Scheduler, end_id: int) -> list[Sequence]:
+        began = time.perf_counter()
         decoding = scheduler.decoding()
         if not decoding:
             return []
@@ -231,12 +246,19 @@ class PagedEngine:
                 self.host_table[slot] = 0  # the scratch page
         self.table_rows = rows
         self.steps.load(tokens, positions, where, self.host_table)
-        following = self.next_tokens().tolist()
+        following = self.next_tokens()
+        launched = time.perf_counter()
+        following = following.tolist()
+        waited = time.perf_counter()
         self.decode_steps += 1
         for sequence in decoding:
             sequence.computed += 1
             sequence.answer.append(following[sequence.slot])
-        return [q for q in decoding if q.answer[-1] == end_id or len(q.answer) == q.limit]
+        ended = [q for q in decoding if q.answer[-1] == end_id or len(q.answer) == q.limit]
+        self.seconds["decode inputs"] += launched - began
+        self.seconds["decode wait"] += waited - launched
+        self.seconds["decode outputs"] += time.perf_counter() - waited
+        return ended
 
     def prefill(self, scheduler: Scheduler, end_id: int) -> list[Sequence]:
         """One prefill chunk, when one is due (Scheduler.prefill_due): the chunks of every sequence in
