@@ -28,8 +28,10 @@ Rows:
               at a time between decode steps; timed twice (the first pass compiles its one decode
               shape; --paged-warm-up N: over the first N prompts only), then its decode steps,
               prefill chunks, preemptions and the share of slot-steps
-              that decoded an answer token; one row per --paged-attention entry (flex_attention:
-              flex attention over the pool in place; auto, sdpa: pages gathered)
+              that decoded an answer token and where the loop's time went; one row per
+              --paged-attention entry (flex_attention: flex attention over the pool in place; auto,
+              sdpa: pages gathered) and --decode-scope entry (layers: one compiled decoder layer
+              that every layer calls, the whole step still one CUDA graph; +dynamic is ignored)
   workers     the product's stage machinery (trainer/data/regen_worker.py): N worker processes on the
               one device, the prompts split N ways (prompt i to worker i mod N), each building the
               target and compiling over the compile cache, timed twice; one row per --workers entry
@@ -949,8 +951,10 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
                 timed("continuous (defaults)", device, run, prompts, limit, args.profile)
             elif row == "paged":
                 chunks = [int(chunk) for chunk in args.prefill_chunk.split(",")]
-                for attention, chunk in itertools.product(args.paged_attention.split(","), chunks):
-                    paged = dataclasses.replace(settings_for(batch_sizes[0]), attention=attention,
+                scopes = list(dict.fromkeys(s.partition("+")[0] for s in args.decode_scope.split(",")))
+                attentions = args.paged_attention.split(",")
+                for scope, attention, chunk in itertools.product(scopes, attentions, chunks):
+                    paged = dataclasses.replace(settings_for(batch_sizes[0], scope), attention=attention,
                                                 prefill_chunk=chunk)  # fmt: skip
                     paged_row(args, target, prompts, paged, device, source.end_id, answer_lengths)
                     gc.collect()  # the row's pool and CUDA graph, before the next row's are taken
@@ -1077,7 +1081,8 @@ def paged_row(
             return [answers[key] for key, _ in requests]
 
         shape = f"S{settings.slots} P{settings.page_size} C{settings.prefill_chunk}"
-        name = f"paged {shape} {engine.attention} pass {attempt}"
+        scope = " layers" if settings.compile_scope == "layers" and settings.compile else ""
+        name = f"paged {shape} {engine.attention}{scope} pass {attempt}"
         timed(name, device, run, prompts[:count], limit, args.profile and attempt == 2)
         after = (engine.decode_steps, engine.prefill_chunks, engine.preemptions)
         steps, chunks, preempted = (now - then for now, then in zip(after, before, strict=True))

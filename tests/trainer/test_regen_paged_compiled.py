@@ -30,9 +30,9 @@ def greedy(target, prompt: list[int], end_id: int) -> list[int]:
     return output[: output.index(end_id)] if end_id in output else output
 
 
-def paged(target, compile: bool, attention: str = "gather") -> PagedEngine:
+def paged(target, compile: bool, attention: str = "gather", compile_scope: str = "step") -> PagedEngine:
     settings = PagedSettings(slots=3, page_size=4, pages=26, max_tokens=64, chunk=8, compile=compile,
-                             attention=attention)  # fmt: skip
+                             attention=attention, compile_scope=compile_scope)  # fmt: skip
     return PagedEngine(target, settings)
 
 
@@ -44,7 +44,10 @@ def end_token_and_answers(target, prompts) -> tuple[int, list[list[int]]]:
     return end_id, [greedy(target, p, end_id) for p in prompts]
 
 
-def test_the_compiled_decode_step_compiles_once_and_gives_the_eager_answers(embedded):
+@pytest.mark.parametrize("scope", ["step", "layers"])
+def test_the_compiled_decode_step_compiles_once_and_gives_the_eager_answers(embedded, scope):
+    """One graph either way: the whole step, or one decoder layer that every layer shares (the
+    layer's pages are its own pools, so nothing guards on which layer it is)."""
     from torch._dynamo.utils import counters
 
     torch.set_num_threads(1)
@@ -53,7 +56,7 @@ def test_the_compiled_decode_step_compiles_once_and_gives_the_eager_answers(embe
     requests = list(enumerate(prompts_of(embedded, chat)))
     eager = paged(target, compile=False).generate(requests, NEW_TOKENS, chat.end_id)
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    compiled = paged(target, compile=True)
+    compiled = paged(target, compile=True, compile_scope=scope)
     assert compiled.generate(requests, NEW_TOKENS, chat.end_id) == eager
     assert compiled.preemptions > 0  # slots refilled and sequences recomputed around the one shape
     assert counters["stats"]["unique_graphs"] - graphs == 1
@@ -72,8 +75,9 @@ def test_flex_attention_over_the_pool_in_place_gives_greedy_generate_s_answers(e
     assert target.config._attn_implementation == "sdpa"  # the target's own again
 
 
+@pytest.mark.parametrize("scope", ["step", "layers"])
 def test_flex_attention_compiled_with_its_block_mask_made_outside_the_step_gives_greedy_generate_s_answers(
-    embedded,
+    embedded, scope
 ):
     """The step takes its block mask as an input (made and loaded outside the compiled step): one
     graph, no graph break, and the answers of greedy `generate`, preemptions included (Inductor's
@@ -85,7 +89,7 @@ def test_flex_attention_compiled_with_its_block_mask_made_outside_the_step_gives
     prompts = prompts_of(embedded, ChatFormat(load_tokenizer(embedded[0])))
     end_id, reference = end_token_and_answers(target, prompts)
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    engine = paged(target, compile=True, attention="flex")
+    engine = paged(target, compile=True, attention="flex", compile_scope=scope)
     answers = engine.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
     assert [answers[i] for i in range(len(prompts))] == reference
     assert engine.preemptions > 0 and engine.attention == "flex"
@@ -95,16 +99,19 @@ def test_flex_attention_compiled_with_its_block_mask_made_outside_the_step_gives
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
-@pytest.mark.parametrize(("attention", "page_size"), [("gather", 4), ("flex", 16), ("flex", 64)])
+@pytest.mark.parametrize(
+    ("attention", "page_size", "scope"),
+    [("gather", 4, "step"), ("flex", 16, "step"), ("flex", 64, "step"), ("flex", 64, "layers")],
+)
 def test_the_decode_step_replayed_as_a_cuda_graph_gives_greedy_generate_s_answers(
-    embedded, attention, page_size
+    embedded, attention, page_size, scope
 ):
     target = load_target(embedded[0], "cuda", "float32")
     prompts = prompts_of(embedded, ChatFormat(load_tokenizer(embedded[0])))
     end_id, reference = end_token_and_answers(target, prompts)
     pages = 26 * 4 // page_size + 1 if page_size < 64 else 4  # a pool that preempts
     settings = PagedSettings(slots=3, page_size=page_size, pages=pages, max_tokens=64, chunk=8, compile=True,
-                             attention=attention)  # fmt: skip
+                             attention=attention, compile_scope=scope)  # fmt: skip
     engine = PagedEngine(target, settings)
     answers = engine.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
     assert engine.steps.graph is not None  # the steps after the first two replayed the graph

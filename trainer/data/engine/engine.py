@@ -8,6 +8,7 @@ held before."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections import Counter
@@ -22,6 +23,7 @@ from .scheduler import Scheduler, Sequence
 from .step import (
     PAGED_ATTENTION,
     DecodeStep,
+    call_layer,
     decode_step,
     flex_decode_step,
     greedy,
@@ -33,6 +35,7 @@ from .step import (
 
 DECODE_STEPS = {"gather": decode_step, "flex": flex_decode_step}
 ATTENTIONS = tuple(DECODE_STEPS)
+COMPILE_SCOPES = ("step", "layers")
 
 Request = tuple[object, list[int]]
 
@@ -46,7 +49,11 @@ class PagedSettings:
     GPU, replayed as a CUDA graph). attention: how the decode step reads the pages, "gather" (each
     slot's whole table copied in order, read by the target's own sdpa or eager attention) or
     "flex" (flex attention over the pool in place: only the pages in use, no copy).
-    gather_if_flex_fails: flex whose first step fails (its compile) says so once and gathers."""
+    gather_if_flex_fails: flex whose first step fails (its compile) says so once and gathers.
+    compile_scope (compiled only): "step", the whole decode step one compiled graph, or "layers",
+    the decoder layers through one compiled function that every layer shares (one layer traced and
+    compiled, not 36), the embedding, norm, head and argmax eager between them; on a GPU either is
+    replayed as one CUDA graph of the whole step, so the host launches a step in one call both ways."""
 
     slots: int
     page_size: int
@@ -56,11 +63,17 @@ class PagedSettings:
     compile: bool = False
     attention: str = "gather"
     gather_if_flex_fails: bool = False
+    compile_scope: str = "step"
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
             raise ValueError(
                 f"paged engine: attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
+            )
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ValueError(
+                f"paged engine: compile_scope must be one of {', '.join(COMPILE_SCOPES)}, "
+                f"got {self.compile_scope!r}"
             )
         for name in ("slots", "page_size", "max_tokens", "chunk"):
             if getattr(self, name) < 1:
@@ -80,15 +93,23 @@ class PagedSettings:
 _COMPILED_STEPS: dict = {}
 
 
-def compiled_decode_step(attention: str):
-    """decode_step compiled once a process (a new wrapper would trace again), at static shapes,
-    without torch's CUDA graphs (DecodeStep records its own). Inductor's output is kept in the
-    compile cache as every compile's is; Dynamo's trace is not (torch's precompile, which the static
-    engine uses, refuses this step's guards with transformers 5.24: decoder layers look up
-    `type(self).forward`, a class guard it cannot keep), so each process traces it again."""
-    if attention not in _COMPILED_STEPS:
-        _COMPILED_STEPS[attention] = torch.compile(DECODE_STEPS[attention], dynamic=False)
-    return _COMPILED_STEPS[attention]
+def compiled_decode_step(attention: str, scope: str = "step"):
+    """The decode step compiled once a process (a new wrapper would trace again), at static shapes,
+    without torch's CUDA graphs (DecodeStep records its own): the whole step ("step"), or the step
+    eager around one compiled decoder layer that every layer calls ("layers"). Inductor's output
+    is kept in the compile cache as every compile's is; Dynamo's trace is not (torch's precompile,
+    which the static engine uses, refuses this step's guards with transformers 5.24: decoder
+    layers look up `type(self).forward`, a class guard it cannot keep), so each process traces
+    again: the whole step's 36 layers, or one layer."""
+    if (attention, scope) not in _COMPILED_STEPS:
+        if scope == "layers":
+            if "layer" not in _COMPILED_STEPS:
+                _COMPILED_STEPS["layer"] = torch.compile(call_layer, dynamic=False)
+            step = functools.partial(DECODE_STEPS[attention], run_layer=_COMPILED_STEPS["layer"])
+        else:
+            step = torch.compile(DECODE_STEPS[attention], dynamic=False)
+        _COMPILED_STEPS[attention, scope] = step
+    return _COMPILED_STEPS[attention, scope]
 
 
 class PagedEngine:
@@ -118,7 +139,7 @@ class PagedEngine:
 
     def decode_steps_with(self, attention: str) -> DecodeStep:
         s = self.settings
-        step = compiled_decode_step(attention) if s.compile else DECODE_STEPS[attention]
+        step = compiled_decode_step(attention, s.compile_scope) if s.compile else DECODE_STEPS[attention]
         return DecodeStep(step, self.target, self.kv, s.slots, self.graphed, whole_pool=attention == "flex")
 
     def next_tokens(self) -> torch.Tensor:

@@ -72,16 +72,18 @@ class LayerPages:
     then returns what the attention reads: each row's table of pages in order [rows, kv heads,
     table width x page size, head dim] (a slot's own pages, or a packed prefill's tables one after
     another), or, `whole_pool`, the whole pool as one row of keys [1, kv heads, pages x page size,
-    head dim], for flex attention to read each slot's pages in place (step.PoolMask)."""
+    head dim], for flex attention to read each slot's pages in place (step.PoolMask). It holds its
+    layer's pools themselves, not the layer's number: a step compiled layer by layer then traces
+    one layer for all of them (Dynamo would guard on the number, and trace each layer again)."""
 
     def __init__(self, kv: PagedKV, layer: int, table: torch.Tensor, where: torch.Tensor, whole_pool=False):
-        self.kv, self.layer, self.table, self.where = kv, layer, table, where
-        self.whole_pool = whole_pool
+        self.keys, self.values, self.page_size = kv.keys[layer], kv.values[layer], kv.page_size
+        self.table, self.where, self.whole_pool = table, where, whole_pool
         self.keys_seen = table.shape[1] * kv.page_size  # every key position of a row's table
 
     def update(self, key_states, value_states, *args, **kwargs):
-        keys, values = self.kv.keys[self.layer], self.kv.values[self.layer]
-        pages, offsets = self.where // self.kv.page_size, self.where % self.kv.page_size
+        keys, values = self.keys, self.values
+        pages, offsets = self.where // self.page_size, self.where % self.page_size
         # key_states [rows, heads, tokens, dim]; pool[:, page, offset] takes [heads, rows, tokens, dim]
         keys[:, pages, offsets] = key_states.transpose(0, 1).to(keys.dtype)
         values[:, pages, offsets] = value_states.transpose(0, 1).to(values.dtype)

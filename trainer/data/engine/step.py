@@ -47,19 +47,25 @@ def as_attention_mask(target, seen: torch.Tensor, dtype: torch.dtype) -> torch.T
     return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
 
 
+def call_layer(layer, hidden, mask, positions, rotary, cache_name: str, layer_pages):
+    """One decoder layer over its pages (paged_forward's calls; compiled_layer's, compiled)."""
+    return layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary,
+                 **{cache_name: layer_pages})  # fmt: skip
+
+
 def paged_forward(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor,
-                  seen: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                  seen: torch.Tensor, run_layer=call_layer) -> torch.Tensor:  # fmt: skip
     """tokens, positions [rows, n]; pages: each layer's view (where these tokens are written, which
     pages each row reads); seen: visible(...). Writes the tokens' keys and values into their pages
-    and returns the final hidden states [rows, n, hidden]."""
+    and returns the final hidden states [rows, n, hidden]. run_layer: call_layer, or its compiled
+    form (a step compiled layer by layer)."""
     base = getattr(target, target.base_model_prefix)
     hidden = base.embed_tokens(tokens)
     rotary = base.rotary_emb(hidden, positions)
     mask = as_attention_mask(target, seen, hidden.dtype)
     cache_name = cache_keyword(target)
     for layer, layer_pages in zip(base.layers, pages, strict=True):
-        hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary,
-                       **{cache_name: layer_pages})  # fmt: skip
+        hidden = run_layer(layer, hidden, mask, positions, rotary, cache_name, layer_pages)
     return base.norm(hidden)
 
 
@@ -74,19 +80,21 @@ def layer_pages(kv: PagedKV, table: torch.Tensor, where: torch.Tensor, whole_poo
     return [LayerPages(kv, layer, table, where, whole_pool) for layer in range(len(kv.keys))]
 
 
-def decode_step(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor):
+def decode_step(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor,
+                run_layer=call_layer):  # fmt: skip
     """One token of every slot, over the decode table (idle slots write to the scratch page): each
     slot's pages gathered in order, read by the target's own attention."""
     seen = visible(positions, pages[0].keys_seen)
-    return greedy(target, paged_forward(target, pages, tokens, positions, seen)[:, -1])
+    return greedy(target, paged_forward(target, pages, tokens, positions, seen, run_layer)[:, -1])
 
 
-def flex_decode_step(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor, mask):
+def flex_decode_step(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor, mask,
+                     run_layer=call_layer):  # fmt: skip
     """decode_step with flex attention reading each slot's pages where they lie in the pool: a
     step reads the pages in use, not every slot's whole table, and copies none. mask: the step's
     PoolMask.block_mask, made outside the compiled step (on torch 2.11 Inductor could not lower a
     block mask built inside it) and loaded in place before each step."""
-    return greedy(target, paged_forward(target, pages, tokens, positions, mask)[:, -1])
+    return greedy(target, paged_forward(target, pages, tokens, positions, mask, run_layer)[:, -1])
 
 
 class PoolMask:
