@@ -1,0 +1,37 @@
+"""The paged compile bench on the CPU: both scopes compile cold and load warm in fresh processes over
+one compile cache, with the uncompiled engine's answers; the layers scope traces one layer."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_both_scopes_compile_cold_and_load_warm_with_the_uncompiled_answers():
+    result = subprocess.run(
+        [sys.executable, "bench/paged_compile_bench.py", "--layers", "3", "--prompts", "4",
+         "--new-tokens", "3", "--attention", "gather"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = re.findall(r"^(step|layers) +(cold|warm): .* equal the uncompiled engine's: (True|False)$",
+                      result.stdout, re.M)  # fmt: skip
+    assert [(scope, process) for scope, process, _ in rows] == [
+        ("step", "cold"), ("step", "warm"), ("layers", "cold"), ("layers", "warm")
+    ], result.stdout
+    assert all(equal == "True" for *_, equal in rows), result.stdout
+
+
+def test_an_unknown_scope_is_refused_naming_the_scopes():
+    result = subprocess.run(
+        [sys.executable, "bench/paged_compile_bench.py", "--scopes", "whole"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "scopes are step, layers" in result.stderr
