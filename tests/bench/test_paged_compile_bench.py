@@ -1,5 +1,5 @@
 """The paged compile bench on the CPU: both scopes compile cold and load warm in fresh processes over
-one compile cache, with the uncompiled engine's answers; the layers scope traces one layer."""
+one compile cache, with the uncompiled engine's answers; the host bench runs the loop alone."""
 
 from __future__ import annotations
 
@@ -35,3 +35,15 @@ def test_an_unknown_scope_is_refused_naming_the_scopes():
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2 and "scopes are step, layers" in result.stderr
+
+
+def test_the_host_bench_runs_the_loop_without_the_device_work_and_tells_its_parts():
+    result = subprocess.run(
+        [sys.executable, "bench/paged_host_bench.py", "--slots", "8", "--pages", "256", "--prompts", "40",
+         "--cap", "64", "--median", "10"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    line = re.search(r"(\d+) decode steps in [\d.]+ s, ([\d.]+) ms an iteration on the host \(decode inputs",
+                     result.stdout)  # fmt: skip
+    assert line and int(line[1]) > 0 and float(line[2]) > 0, result.stdout
