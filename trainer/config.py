@@ -362,11 +362,14 @@ class DataConfig:
     """Static engine on CUDA: compile the decode step (trainer/data/decode.py), in every worker
     process (one per device), over the compile cache under data.cache_dir (docs/DATA.md)."""
     regen_compile_scope: str = "step"
-    """What regen_compile compiles: 'step', the target's whole forward and the argmax, replayed as
-    one CUDA graph per batch shape (60-90 s to compile each shape at the Qwen3-8B shape on an H200);
-    'layers', each decoder layer on its own, one compile shared by all layers, no CUDA graphs
-    (18-32 s a shape, but decoding 2.4x slower: each step waits on the host; docs/PERFORMANCE.md).
-    'layers' pays off only for a data set that decodes in less time than its shapes compile."""
+    """What regen_compile compiles: 'step', the target's whole forward and the argmax as one graph;
+    'layers', one decoder layer that every layer calls (one layer traced and compiled, not each).
+    Static engine: 'step' is replayed as one CUDA graph per batch shape (60-90 s to compile each
+    shape at the Qwen3-8B shape on an H200); 'layers' runs without CUDA graphs (18-32 s a shape,
+    but decoding 2.4x slower: each step waits on the host; docs/PERFORMANCE.md), so it pays off
+    only for a data set that decodes in less time than its shapes compile. Paged engine: either is
+    replayed as one CUDA graph of the whole step; 'layers' traces one layer in a fresh process
+    instead of the whole step (a warm start on the 2-core machine 2.3 s against 10.3 s)."""
     regen_compile_dynamic: bool = False
     """Compile the decode once for every batch shape, the rows and the cache length symbolic,
     instead of once per shape ('step' still records a CUDA graph per shape, a few steps' time).
