@@ -635,3 +635,29 @@ def test_how_a_paged_step_reads_the_pages_follows_the_setting(attention, compile
 
     settings = paged_settings(RegenSettings(engine="paged", attention=attention), 4096, compiled)
     assert (settings.attention, settings.gather_if_flex_fails) == (reads, falls_back)
+
+
+def test_the_data_stage_gives_the_kept_engine_s_pool_back_before_training(tiny):
+    """The engine kept for the next shards lives as long as its target, which training goes on using:
+    the data stage's end drops it, so its KV pool is freed before training allocates (at the 8B
+    shape a first start on an 80 GB card ran out of memory with the 36 GiB pool still held)."""
+    import gc
+    import weakref
+
+    from trainer.run.train import release_data_stage_memory
+
+    target = tiny[0]
+    settings = PagedSettings(slots=2, page_size=4, pages=16, max_tokens=32, chunk=8)
+    kept = conversations.engine_for(target, settings)
+    pool = weakref.ref(kept.kv.keys[0])
+    del kept
+    gc.collect()
+    assert pool() is not None  # kept for the next stream while the target lives
+
+    class Lines:
+        def line(self, text: str) -> None:
+            raise AssertionError(f"a CPU run says nothing of GPU memory: {text}")
+
+    release_data_stage_memory([torch.device("cpu")], Lines())
+    gc.collect()
+    assert pool() is None and not conversations._ENGINES

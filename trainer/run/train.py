@@ -31,6 +31,7 @@ import torch
 from ..config import Config
 from ..data.chat import ChatFormat, DataError
 from ..data.embedded import ensure_embedded
+from ..data.engine.conversations import release_engines
 from ..data.regen import ShardDamaged
 from ..data.rows import Batch, Loader, build_train_set, valid_anchor_count
 from ..data.store import BuildStopped, open_or_build, store_built
@@ -503,6 +504,7 @@ def regenerated_examples(cfg: Config, models: Models, place: Placement, out: Out
 def release_data_stage_memory(devices: list[torch.device], out: Output) -> None:
     """Give the GPU memory the regeneration held (its KV caches, its compiled decode's buffers) back
     before training allocates its own, and say what is left and what the stage took at its peak."""
+    release_engines()  # the paged engine kept for the next shards: its KV pool, before training's memory
     if devices[0].type != "cuda":
         return
     gc.collect()

@@ -32,6 +32,16 @@ def engine_for(target, settings: PagedSettings) -> PagedEngine:
     return engine
 
 
+def release_engines() -> int:
+    """Drop every kept engine (its KV pool, compiled step's buffers and CUDA graph): a run that
+    regenerates and then trains on the same target must give the pool back first, as the kept
+    engine lives as long as its target (at the Qwen3-8B shape the default pool is 36 GiB). Returns
+    how many were dropped."""
+    dropped = len(_ENGINES)
+    _ENGINES.clear()
+    return dropped
+
+
 def longest_sequence(examples, chat, max_new_tokens: int, max_prompt_tokens: int | None) -> int:
     """The most tokens any generated turn of these conversations can hold (prompt + answer, less the
     last answer token, which is never cached), were every earlier answer max_new_tokens long."""
