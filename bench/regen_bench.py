@@ -36,7 +36,8 @@ Rows:
               one device, the prompts split N ways (prompt i to worker i mod N), each building the
               target and compiling over the compile cache, timed twice; one row per --workers entry
 --decode-scope step,layers: a static (and --warm) row for each of data.regen_compile_scope's
-              values: the whole decode step compiled as CUDA graphs, or each target layer compiled
+              values (auto, the default: step for the static rows, layers for the paged):
+              the whole decode step compiled as CUDA graphs, or each target layer compiled
               on its own (one compile shared by the layers, no CUDA graphs); SCOPE+dynamic compiles
               it once for every batch shape (data.regen_compile_dynamic), e.g. step,step+dynamic;
               each pass says how many graphs Dynamo compiled in it
@@ -713,8 +714,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-compile", action="store_true", help="static: no compiled decode step")
     parser.add_argument(
         "--decode-scope", default=DataConfig.regen_compile_scope,
-        help="static: what compiles, 'step' or 'layers' (data.regen_compile_scope), '+dynamic' once for "
-        "every shape (data.regen_compile_dynamic); a comma list: each",
+        help="what compiles, 'auto', 'step' or 'layers' (data.regen_compile_scope; auto: step for the "
+        "static rows, layers for the paged), '+dynamic' once for every shape (static: "
+        "data.regen_compile_dynamic); a comma list: each",
     )  # fmt: skip
     parser.add_argument(
         "--profile",
@@ -768,7 +770,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"unknown row {sorted(unknown)[0]!r}; rows are {known}")
     if args.chat and not args.target:
         parser.error("--chat needs --target: the target directory whose tokenizer builds the prompts")
-    known_scopes = [f"{scope}{dynamic}" for scope in ("step", "layers") for dynamic in ("", "+dynamic")]
+    scopes = ("auto", "step", "layers")
+    known_scopes = [f"{scope}{dynamic}" for scope in scopes for dynamic in ("", "+dynamic")]
     for scope in args.decode_scope.split(","):
         if scope not in known_scopes:
             parser.error(f"unknown --decode-scope {scope!r}; scopes are {', '.join(known_scopes)}")
@@ -1081,7 +1084,7 @@ def paged_row(
             return [answers[key] for key, _ in requests]
 
         shape = f"S{settings.slots} P{settings.page_size} C{settings.prefill_chunk}"
-        scope = " layers" if settings.compile_scope == "layers" and settings.compile else ""
+        scope = " layers" if engine.settings.compile_scope == "layers" and settings.compile else ""
         name = f"paged {shape} {engine.attention}{scope} pass {attempt}"
         timed(name, device, run, prompts[:count], limit, args.profile and attempt == 2)
         after = (engine.decode_steps, engine.prefill_chunks, engine.preemptions)

@@ -361,15 +361,18 @@ class DataConfig:
     regen_compile: bool = True
     """Static engine on CUDA: compile the decode step (trainer/data/decode.py), in every worker
     process (one per device), over the compile cache under data.cache_dir (docs/DATA.md)."""
-    regen_compile_scope: str = "step"
+    regen_compile_scope: str = "auto"
     """What regen_compile compiles: 'step', the target's whole forward and the argmax as one graph;
-    'layers', one decoder layer that every layer calls (one layer traced and compiled, not each).
+    'layers', one decoder layer that every layer calls (one layer traced and compiled, not each);
+    'auto', 'step' for the static engine and 'layers' for the paged one.
     Static engine: 'step' is replayed as one CUDA graph per batch shape (60-90 s to compile each
     shape at the Qwen3-8B shape on an H200); 'layers' runs without CUDA graphs (18-32 s a shape,
     but decoding 2.4x slower: each step waits on the host; docs/PERFORMANCE.md), so it pays off
     only for a data set that decodes in less time than its shapes compile. Paged engine: either is
     replayed as one CUDA graph of the whole step; 'layers' traces one layer in a fresh process
-    instead of the whole step (a warm start on the 2-core machine 2.3 s against 10.3 s)."""
+    instead of the whole step: on one H100 at the 8B shape its decode step as fast (16.3 against
+    16.5 ms), a warm start 2.3 s over its steady pass (17.9 s for the whole step, another day), a
+    cold first pass 37.8 s against 72.8 s (docs/PERFORMANCE.md)."""
     regen_compile_dynamic: bool = False
     """Compile the decode once for every batch shape, the rows and the cache length symbolic,
     instead of once per shape ('step' still records a CUDA graph per shape, a few steps' time).
@@ -400,9 +403,9 @@ class DataConfig:
         if self.regen_attention not in REGEN_ATTENTIONS:
             names = ", ".join(REGEN_ATTENTIONS)
             out.append(f"data.regen_attention must be one of {names}, got {self.regen_attention!r}")
-        if self.regen_compile_scope not in ("step", "layers"):
+        if self.regen_compile_scope not in ("auto", "step", "layers"):
             scope = self.regen_compile_scope
-            out.append(f"data.regen_compile_scope must be 'step' or 'layers', got {scope!r}")
+            out.append(f"data.regen_compile_scope must be 'auto', 'step' or 'layers', got {scope!r}")
         if self.regen_engine not in ("static", "continuous", "paged"):
             engine = self.regen_engine
             out.append(f"data.regen_engine must be 'static', 'continuous' or 'paged', got {engine!r}")

@@ -281,7 +281,7 @@ BAD_INPUT = [
     (["--run", "nographs", "--set", "parallel.bucket_mb=0"], "parallel.bucket_mb must be at least 1"),
     (
         ["--run", "nographs", "--set", "data.regen_compile_scope=model"],
-        "data.regen_compile_scope must be 'step' or 'layers', got 'model'",
+        "data.regen_compile_scope must be 'auto', 'step' or 'layers', got 'model'",
     ),
     (
         ["--run", "nographs", "--set", "parallel.shard_optimizer=sometimes"],

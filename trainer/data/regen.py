@@ -408,7 +408,8 @@ def static_generate(target, prompts, settings, chat, pad_id, should_stop) -> lis
     attention = decode_attention(settings, compiled)
     settings = sized_to_device(target, device, widths_for(settings, attention), prompts)
     if settings.compile:
-        decoder = StaticDecoder(target, compiled, settings.compile_scope, settings.compile_dynamic)
+        scope = "step" if settings.compile_scope == "auto" else settings.compile_scope  # the static engine's
+        decoder = StaticDecoder(target, compiled, scope, settings.compile_dynamic)
 
         def decode(ids, mask):
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):

@@ -272,5 +272,6 @@ def paged_settings(settings, max_tokens: int, compiled: bool, pages: int | None 
         slots=settings.slots, page_size=settings.page_size, pages=pages,
         max_tokens=max_tokens, chunk=settings.prefill_chunk, compile=compiled,
         attention=engine_attention(settings, compiled),
-        gather_if_flex_fails=settings.attention == "auto", compile_scope=settings.compile_scope,
+        gather_if_flex_fails=settings.attention == "auto",
+        compile_scope="layers" if settings.compile_scope == "auto" else settings.compile_scope,
     )  # fmt: skip

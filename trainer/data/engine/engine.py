@@ -53,7 +53,8 @@ class PagedSettings:
     compile_scope (compiled only): "step", the whole decode step one compiled graph, or "layers",
     the decoder layers through one compiled function that every layer shares (one layer traced and
     compiled, not 36), the embedding, norm, head and argmax eager between them; on a GPU either is
-    replayed as one CUDA graph of the whole step, so the host launches a step in one call both ways."""
+    replayed as one CUDA graph of the whole step, so the host launches a step in one call both ways.
+    "layers" is the default: as fast a step, and a fresh process traces one layer, not the step."""
 
     slots: int
     page_size: int
@@ -63,7 +64,7 @@ class PagedSettings:
     compile: bool = False
     attention: str = "gather"
     gather_if_flex_fails: bool = False
-    compile_scope: str = "step"
+    compile_scope: str = "layers"
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
