@@ -57,8 +57,8 @@
 # (default .e2e/regenerated.tgz, carried from the data stage's $OUT). Export needs the train stage's
 # checkpoint: the same machine, still warm. Use STEPS well above the first step (the first progress
 # line launch.yml waits for), or the run ends before stop.yml reaches it (24 on one H200).
-# On an 80 GB H100 give EXTRA_SET=train.batch_size=5. A first start into an empty compile cache ran out of
-# memory there at 5 and 6 rows; a start over the cache it filled fitted at 5 rows (2026-12-06).
+# On an 80 GB H100 give EXTRA_SET=train.batch_size=6: a first start into an empty compile cache,
+# regenerating first, fitted there (2026-12-07).
 # Every figure it prints comes from the product's own lines (the log, status, the run record).
 # A venv without bytecode (the lent GPU machines' one) is byte-compiled first, as pip leaves CT 200's.
 # Every process it starts is ended by PID, also on failure.
