@@ -32,14 +32,11 @@ def engine_for(target, settings: PagedSettings) -> PagedEngine:
     return engine
 
 
-def release_engines() -> int:
+def release_engines() -> None:
     """Drop every kept engine (its KV pool, compiled step's buffers and CUDA graph): a run that
     regenerates and then trains on the same target must give the pool back first, as the kept
-    engine lives as long as its target (at the Qwen3-8B shape the default pool is 36 GiB). Returns
-    how many were dropped."""
-    dropped = len(_ENGINES)
+    engine lives as long as its target (at the Qwen3-8B shape the default pool is 36 GiB)."""
     _ENGINES.clear()
-    return dropped
 
 
 def longest_sequence(examples, chat, max_new_tokens: int, max_prompt_tokens: int | None) -> int:

@@ -92,6 +92,7 @@ class PagedSettings:
 
 
 _COMPILED_STEPS: dict = {}
+_COMPILED_LAYER: list = []  # call_layer compiled once a process, shared by every layers-scope step
 
 
 def compiled_decode_step(attention: str, scope: str = "step"):
@@ -104,9 +105,9 @@ def compiled_decode_step(attention: str, scope: str = "step"):
     again: the whole step's 36 layers, or one layer."""
     if (attention, scope) not in _COMPILED_STEPS:
         if scope == "layers":
-            if "layer" not in _COMPILED_STEPS:
-                _COMPILED_STEPS["layer"] = torch.compile(call_layer, dynamic=False)
-            step = functools.partial(DECODE_STEPS[attention], run_layer=_COMPILED_STEPS["layer"])
+            if not _COMPILED_LAYER:
+                _COMPILED_LAYER.append(torch.compile(call_layer, dynamic=False))
+            step = functools.partial(DECODE_STEPS[attention], run_layer=_COMPILED_LAYER[0])
         else:
             step = torch.compile(DECODE_STEPS[attention], dynamic=False)
         _COMPILED_STEPS[attention, scope] = step
