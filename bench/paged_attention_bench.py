@@ -128,13 +128,12 @@ def main() -> int:
         num_attention_heads=args.heads,
         hidden_size=args.heads * args.head_dim,
     )
-    kv = PagedKV(config, args.pages, args.page_size, args.slots, width, device, dtype)
+    kv = PagedKV(config, args.pages, args.page_size, width, device, dtype)
     torch.manual_seed(0)
     kv.keys[0].normal_()
     kv.values[0].normal_()
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
     positions = torch.tensor([[n - 1] for n in lengths], dtype=torch.long, device=device)
-    kv.decode_table.copy_(table)
     query = torch.randn(args.slots, args.heads, 1, args.head_dim, device=device, dtype=dtype)
     in_use = sum(lengths) * 2 * args.kv_heads * args.head_dim * kv.keys[0].element_size()
     print(

@@ -99,11 +99,12 @@ from torch._dynamo.utils import compilation_time_metrics, counters
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.trainer_bench import SHAPES, build_target
-from trainer.config import DataConfig
+from trainer.config import REGEN_TAIL_SLOTS, DataConfig
 from trainer.data.chat import ChatFormat, Example, regenerate, tokenize_stream
 from trainer.data.decode import StaticDecoder
 from trainer.data.engine import PagedEngine
 from trainer.data.engine.conversations import paged_settings, slot_tokens
+from trainer.data.engine.step import FLEX_SPLIT_KV
 from trainer.data.regen import (
     CACHE_PAGE_TOKENS,
     DataIndex,
@@ -739,6 +740,14 @@ def parse_args() -> argparse.Namespace:
         help="paged: data.regen_prefill_chunk (a comma list: a row each)"
     )
     parser.add_argument(
+        "--tail-slots", default="/".join(map(str, REGEN_TAIL_SLOTS)),
+        help="paged: data.regen_tail_slots as WIDTH/WIDTH, or none (a comma list: a row each)",
+    )
+    parser.add_argument(
+        "--split-kv", default=str(FLEX_SPLIT_KV),
+        help="paged: flex attention's SPLIT_KV on a GPU, 0 the kernel's own (a comma list: a row each)",
+    )
+    parser.add_argument(
         "--paged-warm-up", type=int, default=0,
         help="paged: the first pass (which compiles the one decode shape) over the first N prompts only "
         "(0: all); the second pass runs them all",
@@ -956,10 +965,13 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
                 chunks = [int(chunk) for chunk in args.prefill_chunk.split(",")]
                 scopes = list(dict.fromkeys(s.partition("+")[0] for s in args.decode_scope.split(",")))
                 attentions = args.paged_attention.split(",")
-                for scope, attention, chunk in itertools.product(scopes, attentions, chunks):
+                tails = [tail_widths(tail) for tail in args.tail_slots.split(",")]
+                splits = [int(split) for split in args.split_kv.split(",")]
+                variants = itertools.product(scopes, attentions, chunks, tails, splits)
+                for scope, attention, chunk, tail, split in variants:
                     paged = dataclasses.replace(settings_for(batch_sizes[0], scope), attention=attention,
-                                                prefill_chunk=chunk)  # fmt: skip
-                    paged_row(args, target, prompts, paged, device, source.end_id, answer_lengths)
+                                                prefill_chunk=chunk, tail_slots=tail)  # fmt: skip
+                    paged_row(args, target, prompts, paged, device, source.end_id, answer_lengths, split)
                     gc.collect()  # the row's pool and CUDA graph, before the next row's are taken
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -1047,6 +1059,11 @@ class PassProgress:
         self.iteration += 1
 
 
+def tail_widths(text: str) -> tuple[int, ...]:
+    """--tail-slots' WIDTH/WIDTH (or none) as widths."""
+    return () if text in ("none", "") else tuple(int(width) for width in text.split("/"))
+
+
 def loop_breakdown(spent, seconds: float) -> str:
     """The paged engine's loop time by part (PagedEngine.seconds), as shares of `seconds`."""
     parts = ("decode inputs", "decode wait", "decode outputs", "prefill", "scheduling")
@@ -1054,15 +1071,19 @@ def loop_breakdown(spent, seconds: float) -> str:
 
 
 def paged_row(
-    args, target, prompts, settings: RegenSettings, device, end_id: int, answer_lengths: dict | None = None
-) -> None:
+    args, target, prompts, settings: RegenSettings, device, end_id: int, answer_lengths: dict | None = None,
+    split_kv: int = FLEX_SPLIT_KV,
+) -> None:  # fmt: skip
     """The paged engine over every prompt at once, timed twice; then how each pass went. With
     answer_lengths each answer ends at its given length (the engine's answer_limit: its slot is
-    freed there, as an end token would free it)."""
+    freed there, as an end token would free it). A warm-up pass (--paged-warm-up) runs its prompts
+    twice, once with every slot and once with the narrower tail steps, so that every width's decode
+    step is compiled before the timed pass."""
     answer_limit = (lambda key: answer_lengths[tuple(prompts[key])]) if answer_lengths else None
     longest = max(map(len, prompts)) + settings.max_new_tokens - 1
     slot = slot_tokens(longest, settings.page_size, settings.batch_tokens // settings.page_size)
-    engine = PagedEngine(target, paged_settings(settings, slot, settings.compile and device.type == "cuda"))
+    engine_settings = paged_settings(settings, slot, settings.compile and device.type == "cuda")
+    engine = PagedEngine(target, dataclasses.replace(engine_settings, split_kv=split_kv))
     new_tokens = settings.max_new_tokens
     limit = memory_bound_tokens_per_s(target, prompts, new_tokens, settings.slots, args.bandwidth_tbs)
     for attempt in (1, 2):  # the first pass compiles the decode step (its one shape)
@@ -1071,30 +1092,39 @@ def paged_row(
         count = min(args.paged_warm_up, len(prompts)) if warm_up else len(prompts)
         requests = list(enumerate(prompts[:count]))
         before = (engine.decode_steps, engine.prefill_chunks, engine.preemptions)
+        widths_before = engine.width_steps.copy()
         graphs = counters["stats"]["unique_graphs"]
         answers: dict = {}
 
         window = args.profile_iterations if attempt == 2 else None
         seconds_before = engine.seconds.copy()
 
-        def run(answers=answers, requests=requests, window=window):
+        def run(answers=answers, requests=requests, window=window, warm_up=warm_up):
             progress = PassProgress(engine, window=window, device=device)
-            answers.update(engine.generate(requests, new_tokens, end_id, answer_limit=answer_limit,
-                                           should_stop=progress.tick))  # fmt: skip
+            tails = ((), engine_settings.tail_slots) if warm_up and engine_settings.tail_slots else (None,)
+            for tail in tails:  # a warm-up: the full width's step, then the tail's
+                if tail is not None:
+                    engine.settings = dataclasses.replace(engine.settings, tail_slots=tail)
+                answers.update(engine.generate(requests, new_tokens, end_id, answer_limit=answer_limit,
+                                               should_stop=progress.tick))  # fmt: skip
             return [answers[key] for key, _ in requests]
 
-        shape = f"S{settings.slots} P{settings.page_size} C{settings.prefill_chunk}"
+        tail = "/".join(map(str, sorted(engine_settings.tail_slots, reverse=True))) or "none"
+        shape = f"S{settings.slots} T{tail} K{split_kv} P{settings.page_size} C{settings.prefill_chunk}"
         scope = " layers" if engine.settings.compile_scope == "layers" and settings.compile else ""
         name = f"paged {shape} {engine.attention}{scope} pass {attempt}"
         timed(name, device, run, prompts[:count], limit, args.profile and attempt == 2)
         after = (engine.decode_steps, engine.prefill_chunks, engine.preemptions)
         steps, chunks, preempted = (now - then for now, then in zip(after, before, strict=True))
         # each answer's first token comes from its last prefill chunk, the others from decode steps
-        used = (sum(map(len, answers.values())) - len(answers)) / max(1, steps * settings.slots)
+        widths = engine.width_steps - widths_before
+        slot_steps = sum(width * count for width, count in widths.items())
+        used = (sum(map(len, answers.values())) - len(answers)) / max(1, slot_steps)
         compiled = counters["stats"]["unique_graphs"] - graphs
+        by_width = ", ".join(f"{n} of {width} slots" for width, n in sorted(widths.items(), reverse=True))
         print(
-            f"    {steps} decode steps, {chunks} prefill chunks, {preempted} preemptions, {used:.0%} of "
-            f"slot-steps decoded an answer token; Dynamo compiled {compiled} graph(s)",
+            f"    {steps} decode steps ({by_width}), {chunks} prefill chunks, {preempted} preemptions, "
+            f"{used:.0%} of slot-steps decoded an answer token; Dynamo compiled {compiled} graph(s)",
             flush=True,
         )
         spent = engine.seconds - seconds_before

@@ -17,8 +17,10 @@ cache (docs/PERFORMANCE.md gives what a shape costs cold and warm). Each row als
 batches cost if every regenerated answer ends where the file's does: a batch decodes until its
 longest answer has ended (read every 16 tokens), so with a large --new-tokens the rows whose
 answers ended early wait for it; "row-steps used" is the share of rows x steps that are answers.
---paged SLOTS:CHUNK,...: the paged engine's scheduler over the same shards, one stream (a
-conversation's next turn queued when its answer is done); --answers-at-cap: every answer as long as
+--paged SLOTS:CHUNK[:TAIL[/TAIL...]],...: the paged engine's scheduler over the same shards, one
+stream (a conversation's next turn queued when its answer is done), TAIL the narrower steps' slots at
+the data set's tail (data.regen_tail_slots; none unless given here, e.g. 256:1024:128/32);
+--answers-at-cap: every answer as long as
 --new-tokens (what a random-weights target gives, as in the GPU benches), and beside the stream
 every turn queued at once, as regen_bench's paged row runs a chat file's prompts: the two differ
 by the steps a next turn waits for the answer before it.
@@ -97,7 +99,7 @@ LayoutShard = tuple[list[list[tuple[int, int]]], int]  # each conversation's tur
 
 
 def paged_layout(shards: list[LayoutShard], new_tokens: int, slots: int, chunk: int, page_size: int,
-                 pages: int) -> PagedLayout:  # fmt: skip
+                 pages: int, tail: tuple[int, ...] = ()) -> PagedLayout:  # fmt: skip
     """The paged stage's stream (conversations.paged_shards: PagedEngine.run fed shard after shard)
     over shards of (each conversation's turns, the shard's longest sequence), each answer ending
     where the file's does (its end token the last of it, or cut at new_tokens), without a model:
@@ -107,12 +109,12 @@ def paged_layout(shards: list[LayoutShard], new_tokens: int, slots: int, chunk: 
     layout = PagedLayout()
     following = 0
     while following < len(shards):
-        following = one_engine(shards, following, layout, new_tokens, slots, chunk, page_size, pages)
+        following = one_engine(shards, following, layout, new_tokens, slots, chunk, page_size, pages, tail)
     return layout
 
 
 def one_engine(shards: list[LayoutShard], following: int, layout: PagedLayout, new_tokens: int, slots: int,
-               chunk: int, page_size: int, pages: int) -> int:  # fmt: skip
+               chunk: int, page_size: int, pages: int, tail: tuple[int, ...] = ()) -> int:  # fmt: skip
     """paged_layout's engine from shard `following` until a shard needs longer slots or none is left;
     its figures added to `layout`. Returns the next shard's index."""
     max_tokens = slot_tokens(shards[following][1], page_size, pages)
@@ -142,12 +144,13 @@ def one_engine(shards: list[LayoutShard], following: int, layout: PagedLayout, n
             feeding = added > 0
         if not scheduler.busy:
             break
+        width = scheduler.fit_width(() if feeding else tail)
         scheduler.admit()
         scheduler.grow()
         decoding = scheduler.decoding()
         if decoding:
             layout.decode_steps += 1
-            layout.slot_steps += slots
+            layout.slot_steps += width
             layout.decoding += len(decoding)
             for sequence in decoding:
                 sequence.computed += 1
@@ -174,6 +177,12 @@ def one_engine(shards: list[LayoutShard], following: int, layout: PagedLayout, n
     return following
 
 
+def paged_settings(text: str) -> tuple[int, int, tuple[int, ...]]:
+    """SLOTS:CHUNK[:TAIL/TAIL...] as (slots, chunk, tail widths)."""
+    slots, chunk, *tail = text.split(":")
+    return int(slots), int(chunk), tuple(int(width) for width in (tail[0].split("/") if tail else []))
+
+
 def steps_to_end(answer_lengths: list[int], new_tokens: int) -> int:
     """Decode steps a batch takes if each row's answer ends where the file's does: the engine reads
     whether every row has ended every STOP_CHECK_EVERY tokens, and a row ends with its end token."""
@@ -191,7 +200,9 @@ def main() -> int:
     parser.add_argument(
         "--batches", help="ROWS:TOKENS,...: batch sizes and KV budgets side by side (default: the product's)"
     )
-    parser.add_argument("--paged", help="SLOTS:CHUNK,...: the paged engine's scheduler at these settings")
+    parser.add_argument(
+        "--paged", help="SLOTS:CHUNK[:TAIL/TAIL...],...: the paged engine's scheduler at these settings"
+    )
     parser.add_argument(
         "--by-shard", action="store_true", help="--paged: also each shard alone, through an engine of its own"
     )
@@ -202,7 +213,7 @@ def main() -> int:
     args = parser.parse_args()
     d = DataConfig()
     settings_pairs = [pair for pair in (args.paged or "").split(",") if pair]
-    paged = {tuple(map(int, pair.split(":"))): PagedLayout() for pair in settings_pairs}
+    paged = {paged_settings(pair): PagedLayout() for pair in settings_pairs}
     pool_pages = d.regen_batch_tokens // d.regen_page_size
     paged_shards: list = []
     pairs = [tuple(map(int, pair.split(":"))) for pair in (args.batches or "").split(",") if pair]
@@ -253,13 +264,14 @@ def main() -> int:
     at_once = {key: PagedLayout() for key in paged} if args.answers_at_cap else {}
     apart = [([[turn] for conversation in turns for turn in conversation], longest)
              for turns, longest in paged_shards] if at_once else []  # fmt: skip
-    for (slots, chunk), layout in at_once.items():  # each turn a conversation of its own
-        layout.add(paged_layout(apart, args.new_tokens, slots, chunk, d.regen_page_size, pool_pages))
-    for (slots, chunk), layout in paged.items():  # one worker's stream over every shard
-        layout.add(paged_layout(paged_shards, args.new_tokens, slots, chunk, d.regen_page_size, pool_pages))
+    for (slots, chunk, tail), layout in at_once.items():  # each turn a conversation of its own
+        layout.add(paged_layout(apart, args.new_tokens, slots, chunk, d.regen_page_size, pool_pages, tail))
+    for (slots, chunk, tail), layout in paged.items():  # one worker's stream over every shard
+        layout.add(paged_layout(paged_shards, args.new_tokens, slots, chunk, d.regen_page_size, pool_pages,
+                                tail))  # fmt: skip
         for shard in paged_shards if args.by_shard else []:
-            by_shard[slots, chunk].add(paged_layout([shard], args.new_tokens, slots, chunk, d.regen_page_size,
-                                                    pool_pages))  # fmt: skip
+            by_shard[slots, chunk, tail].add(paged_layout([shard], args.new_tokens, slots, chunk,
+                                                          d.regen_page_size, pool_pages, tail))  # fmt: skip
     print(f"read and laid out in {time.monotonic() - began:.0f} s")
     every, seen = figures[None], figures[args.seq_len]
     for limit, name in ((None, "every turn"), (args.seq_len, f"turns before {args.seq_len} tokens")):
@@ -275,9 +287,10 @@ def main() -> int:
     rows = [(key, layout, "one stream") for key, layout in paged.items()]
     rows += [(key, layout, "shard by shard") for key, layout in by_shard.items()]
     rows += [(key, layout, "every turn at once") for key, layout in at_once.items()]
-    for (slots, chunk), layout, how in rows:
+    for (slots, chunk, tail), layout, how in rows:
+        narrower = f" ({'/'.join(map(str, tail))} at the tail)" if tail else ""
         print(
-            f"{'':>8}paged engine {how}, {slots:>4} slots, prefill chunks of {chunk:>5}, "
+            f"{'':>8}paged engine {how}, {slots:>4} slots{narrower}, prefill chunks of {chunk:>5}, "
             f"{d.regen_batch_tokens:,} tokens of pages: {layout.iterations:,} iterations, "
             f"{layout.decode_steps:,} decode steps, "
             f"{layout.decoding / max(1, layout.slot_steps):.0%} of slot-steps used, "

@@ -62,17 +62,22 @@ def engine(target, **changes) -> PagedEngine:
     return PagedEngine(target, PagedSettings(**{**base, **changes}))
 
 
-@pytest.mark.parametrize("pages", [64, 26], ids=["roomy", "preempting"])
-def test_every_answer_equals_greedy_generate_of_its_prompt_alone(tiny, prompts_and_answers, pages):
+@pytest.mark.parametrize(
+    "pages, tail", [(64, ()), (26, ()), (64, (2, 1)), (26, (2,))],
+    ids=["roomy", "preempting", "narrower-tail", "narrower-tail-preempting"],
+)  # fmt: skip
+def test_every_answer_equals_greedy_generate_of_its_prompt_alone(tiny, prompts_and_answers, pages, tail):
     """More prompts than slots (each slot runs several in turn), prompts longer than a prefill chunk,
     answers that end early; with a pool of 25 pages the newest sequences are preempted and
-    recomputed."""
+    recomputed; with narrower steps at the tail the last sequences move to the first slots
+    mid-answer (their pages where they were) and decode in steps of fewer rows."""
     prompts, end_id, reference = prompts_and_answers
-    paged = engine(tiny[0], pages=pages)
+    paged = engine(tiny[0], pages=pages, tail_slots=tail)
     answers = paged.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
     assert [answers[i] for i in range(len(prompts))] == reference
     assert (paged.preemptions > 0) == (pages == 26)
     assert paged.prefill_chunks > len(prompts)  # chunked
+    assert sorted(paged.widths) == sorted({3, *tail})  # each narrower step ran at the tail
 
 
 def test_the_loop_s_time_is_told_by_part_and_adds_up_to_no_more_than_the_wall_time(tiny, prompts_and_answers):
@@ -121,11 +126,12 @@ def test_a_flex_step_that_fails_is_said_once_and_the_engine_gathers_with_the_sam
         named.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
 
 
-def test_the_layout_bench_s_paged_engine_follows_the_engine_step_for_step(tiny):
+@pytest.mark.parametrize("tail", [(), (2, 1)], ids=["every-slot", "narrower-tail"])
+def test_the_layout_bench_s_paged_engine_follows_the_engine_step_for_step(tiny, tail):
     """The layout bench's paged stream (token counts, no model) against the engine itself on the
     tiny target, each answer ended at a given length, a second turn queued after the first and a
-    second shard fed when no turn waits: the same iterations, decode steps, prefill chunks and
-    preemptions, the pool small enough to preempt."""
+    second shard fed when no turn waits: the same iterations, decode steps, slot-steps, prefill
+    chunks and preemptions, the pool small enough to preempt; with narrower steps at the tail too."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
     from regen_layout_bench import paged_layout
 
@@ -146,7 +152,8 @@ def test_the_layout_bench_s_paged_engine_follows_the_engine_step_for_step(tiny):
         conversation, turn = key
         return [((conversation, 1), prompts[conversation] + answer + extra)] if turn == 0 else []
 
-    settings = PagedSettings(slots=3, page_size=4, pages=26, max_tokens=slot_tokens(longest, 4, 26), chunk=8)
+    settings = PagedSettings(slots=3, page_size=4, pages=26, max_tokens=slot_tokens(longest, 4, 26), chunk=8,
+                             tail_slots=tail)  # fmt: skip
     engine = PagedEngine(tiny[0], settings)
     feeds = [[((i, 0), prompts[i]) for i in range(5, 8)]]  # the second shard
     with torch.no_grad():
@@ -158,11 +165,12 @@ def test_the_layout_bench_s_paged_engine_follows_the_engine_step_for_step(tiny):
         for p, a in zip(prompts, answers, strict=True)
     ]
     layout = paged_layout([(turns[:5], longest), (turns[5:], longest)], new_tokens, slots=3, chunk=8,
-                          page_size=4, pages=26)  # fmt: skip
+                          page_size=4, pages=26, tail=tail)  # fmt: skip
     assert engine.preemptions > 0
-    assert (layout.iterations, layout.decode_steps, layout.prefill_chunks, layout.preemptions) == (
-        engine.iterations, engine.decode_steps, engine.prefill_chunks, engine.preemptions,
-    )  # fmt: skip
+    assert (layout.iterations, layout.decode_steps, layout.slot_steps, layout.prefill_chunks,
+            layout.preemptions) == (engine.iterations, engine.decode_steps, engine.slot_steps,
+                                    engine.prefill_chunks, engine.preemptions)  # fmt: skip
+    assert (engine.slot_steps < 3 * engine.decode_steps) == bool(tail)  # the tail ran narrower
     assert layout.answer_tokens == sum(map(len, done.values()))
 
 
@@ -303,6 +311,38 @@ def test_a_slot_that_ends_is_refilled_at_the_next_iteration_without_waiting_for_
     scheduler.admit()
     assert scheduler.slots[0].key == "c" and scheduler.slots[1] is b
     assert prefill_all(scheduler) == [[("c", 0, 3)]]
+
+
+def test_at_the_tail_the_last_sequences_move_to_the_first_slots_and_more_widen_it_again():
+    """fit_width: the sequences left move into the first slots of the narrowest width they fit, with
+    their pages and progress, admission keeps to them, and once more are left than fit, every slot is
+    in use again."""
+    scheduler = Scheduler(slots=4, pages=32, page_size=4, max_pages=8, chunk=16)
+    for key in "abcd":
+        scheduler.add(Sequence(key, [1, 2, 3]))
+    assert scheduler.fit_width((2,)) == 4  # four left: all the slots
+    scheduler.admit()
+    prefill_all(scheduler)
+    a, b, c, d = scheduler.slots
+    decode_once(scheduler)
+    pages = {s.key: list(s.pages) for s in (c, d)}
+    scheduler.release(a)
+    scheduler.release(b)
+    assert scheduler.fit_width(()) == 4  # no narrower step: every slot, nothing moves
+    assert scheduler.fit_width((3, 2)) == 2  # the narrowest that holds the two left
+    assert scheduler.slots[:2] == [c, d] and scheduler.slots[2:] == [None, None]
+    assert (c.slot, d.slot) == (0, 1) and {s.key: s.pages for s in (c, d)} == pages
+    assert c.decoding and c.computed == 4  # its progress is its own, not its slot's
+    scheduler.release(c)
+    scheduler.add(Sequence("e", [1, 2]))
+    assert scheduler.fit_width((3, 2)) == 2
+    scheduler.admit()
+    assert scheduler.slots[0].key == "e" and scheduler.slots[2:] == [None, None]  # within its width
+    for key in "fg":
+        scheduler.add(Sequence(key, [1]))
+    assert scheduler.fit_width((3, 2)) == 4  # four left again (d, e and two waiting): every slot
+    scheduler.admit()
+    assert [s.key if s else None for s in scheduler.slots] == ["e", "d", "f", "g"]
 
 
 def test_a_long_prompt_is_prefilled_a_chunk_an_iteration_and_short_ones_share_a_chunk():
@@ -583,6 +623,7 @@ def test_the_pool_is_the_configured_one_where_the_gpu_holds_it_and_what_fits_whe
         ({"regen_engine": "paged", "regen_page_size": 0}, "data.regen_page_size must be at least 1, got 0"),
         ({"regen_engine": "paged", "regen_slots": 0}, "data.regen_slots must be at least 1, got 0"),
         ({"regen_engine": "paged", "regen_prefill_chunk": -1}, "data.regen_prefill_chunk must be at least 1"),
+        ({"regen_tail_slots": [64, 0]}, "data.regen_tail_slots must be widths of at least 1 slot"),
         (
             {
                 "regen_engine": "paged",
@@ -613,10 +654,20 @@ def test_a_slot_holds_a_power_of_two_pages_within_the_pool():
 def test_the_paged_settings_change_only_the_speed_so_a_resume_may_change_them():
     from trainer.config import SPEED_ONLY_DATA_KEYS
 
-    some = RegenSettings(engine="paged", slots=2, page_size=4, prefill_chunk=8)
-    other = RegenSettings(engine="paged", slots=64, page_size=32, prefill_chunk=1024)
+    some = RegenSettings(engine="paged", slots=2, page_size=4, prefill_chunk=8, tail_slots=())
+    other = RegenSettings(engine="paged", slots=64, page_size=32, prefill_chunk=1024, tail_slots=(16,))
     assert some.key_fields() == other.key_fields() != RegenSettings(engine="static").key_fields()
-    assert {"regen_slots", "regen_page_size", "regen_prefill_chunk"} <= SPEED_ONLY_DATA_KEYS
+    speed_only = {"regen_slots", "regen_page_size", "regen_prefill_chunk", "regen_tail_slots"}
+    assert speed_only <= SPEED_ONLY_DATA_KEYS
+
+
+def test_the_tail_widths_the_engine_gets_are_those_below_its_slots_narrowest_last():
+    settings = RegenSettings(engine="paged", slots=64, tail_slots=(128, 32, 8, 32))
+    assert conversations.paged_settings(settings, 256, compiled=False).tail_slots == (8, 32)
+    narrow = RegenSettings(slots=16, tail_slots=(128, 32))
+    assert conversations.paged_settings(narrow, 256, compiled=False).tail_slots == ()
+    with pytest.raises(ValueError, match="tail_slots must each be at least 1 and fewer than the 3 slots"):
+        PagedSettings(slots=3, page_size=4, pages=64, max_tokens=80, chunk=8, tail_slots=(3,))
 
 
 @pytest.mark.parametrize(

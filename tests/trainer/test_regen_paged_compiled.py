@@ -30,9 +30,10 @@ def greedy(target, prompt: list[int], end_id: int) -> list[int]:
     return output[: output.index(end_id)] if end_id in output else output
 
 
-def paged(target, compile: bool, attention: str = "gather", compile_scope: str = "step") -> PagedEngine:
+def paged(target, compile: bool, attention: str = "gather", compile_scope: str = "step",
+          tail: tuple[int, ...] = ()) -> PagedEngine:  # fmt: skip
     settings = PagedSettings(slots=3, page_size=4, pages=26, max_tokens=64, chunk=8, compile=compile,
-                             attention=attention, compile_scope=compile_scope)  # fmt: skip
+                             attention=attention, compile_scope=compile_scope, tail_slots=tail)  # fmt: skip
     return PagedEngine(target, settings)
 
 
@@ -75,44 +76,49 @@ def test_flex_attention_over_the_pool_in_place_gives_greedy_generate_s_answers(e
     assert target.config._attn_implementation == "sdpa"  # the target's own again
 
 
-@pytest.mark.parametrize("scope", ["step", "layers"])
+@pytest.mark.parametrize(("scope", "tail"), [("step", ()), ("layers", ()), ("layers", (2, 1))])
 def test_flex_attention_compiled_with_its_block_mask_made_outside_the_step_gives_greedy_generate_s_answers(
-    embedded, scope
+    embedded, scope, tail
 ):
     """The step takes its block mask as an input (made and loaded outside the compiled step): one
     graph, no graph break, and the answers of greedy `generate`, preemptions included (Inductor's
-    CPU code here; the GPU's kernels in the CUDA-graph test below)."""
+    CPU code here; the GPU's kernels in the CUDA-graph test below); with narrower steps at the tail,
+    one graph a width."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()  # the layer compiled once a process: each case counts its own graphs
     torch.set_num_threads(1)
     target = load_target(embedded[0], "cpu", "float32")
     prompts = prompts_of(embedded, ChatFormat(load_tokenizer(embedded[0])))
     end_id, reference = end_token_and_answers(target, prompts)
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    engine = paged(target, compile=True, attention="flex", compile_scope=scope)
+    engine = paged(target, compile=True, attention="flex", compile_scope=scope, tail=tail)
     answers = engine.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
     assert [answers[i] for i in range(len(prompts))] == reference
     assert engine.preemptions > 0 and engine.attention == "flex"
-    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert sorted(engine.widths) == sorted({3, *tail})
+    assert counters["stats"]["unique_graphs"] - graphs == len(engine.widths)
     assert sum(counters["graph_break"].values()) == breaks
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
 @pytest.mark.parametrize(
-    ("attention", "page_size", "scope"),
-    [("gather", 4, "step"), ("flex", 16, "step"), ("flex", 64, "step"), ("flex", 64, "layers")],
-)
+    ("attention", "page_size", "scope", "tail"),
+    [("gather", 4, "step", ()), ("flex", 16, "step", ()), ("flex", 64, "step", ()),
+     ("flex", 64, "layers", ()), ("flex", 16, "layers", (2, 1))],
+)  # fmt: skip
 def test_the_decode_step_replayed_as_a_cuda_graph_gives_greedy_generate_s_answers(
-    embedded, attention, page_size, scope
+    embedded, attention, page_size, scope, tail
 ):
     target = load_target(embedded[0], "cuda", "float32")
     prompts = prompts_of(embedded, ChatFormat(load_tokenizer(embedded[0])))
     end_id, reference = end_token_and_answers(target, prompts)
     pages = 26 * 4 // page_size + 1 if page_size < 64 else 4  # a pool that preempts
     settings = PagedSettings(slots=3, page_size=page_size, pages=pages, max_tokens=64, chunk=8, compile=True,
-                             attention=attention, compile_scope=scope)  # fmt: skip
+                             attention=attention, compile_scope=scope, tail_slots=tail)  # fmt: skip
     engine = PagedEngine(target, settings)
     answers = engine.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
     assert engine.steps.graph is not None  # the steps after the first two replayed the graph
+    assert sorted(engine.widths) == sorted({3, *tail})
     assert [answers[i] for i in range(len(prompts))] == reference

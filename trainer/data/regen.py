@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import FLEX_MIN_LEN, DataConfig
+from ..config import FLEX_MIN_LEN, REGEN_TAIL_SLOTS, DataConfig
 from ..model.target import attention_of
 from .chat import (
     MAX_LINE_BYTES,
@@ -85,6 +85,7 @@ class RegenSettings:
     slots: int = DataConfig.regen_slots
     page_size: int = DataConfig.regen_page_size
     prefill_chunk: int = DataConfig.regen_prefill_chunk
+    tail_slots: tuple[int, ...] = REGEN_TAIL_SLOTS
     dtype: str = "float32"
     # A turn is generated only while the conversation before it is shorter than this (the run's
     # train.seq_len): training cuts every conversation to it, so a later turn would never be seen.

@@ -94,7 +94,8 @@ def settings_of(cfg: Config) -> RegenSettings:
         batch_size=d.regen_batch_size, batch_tokens=d.regen_batch_tokens, min_width=d.regen_min_width,
         compile=d.regen_compile, compile_scope=d.regen_compile_scope, compile_dynamic=d.regen_compile_dynamic,
         attention=d.regen_attention, slots=d.regen_slots, page_size=d.regen_page_size,
-        prefill_chunk=d.regen_prefill_chunk, dtype=cfg.model.dtype, max_prompt_tokens=cfg.train.seq_len,
+        prefill_chunk=d.regen_prefill_chunk, tail_slots=tuple(d.regen_tail_slots), dtype=cfg.model.dtype,
+        max_prompt_tokens=cfg.train.seq_len,
     )  # fmt: skip
 
 

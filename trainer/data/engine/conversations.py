@@ -271,4 +271,5 @@ def paged_settings(settings, max_tokens: int, compiled: bool, pages: int | None 
         attention=engine_attention(settings, compiled),
         gather_if_flex_fails=settings.attention == "auto",
         compile_scope="layers" if settings.compile_scope == "auto" else settings.compile_scope,
+        tail_slots=tuple(sorted({width for width in settings.tail_slots if width < settings.slots})),
     )  # fmt: skip

@@ -21,7 +21,7 @@ from ...model.target import attention_of
 from .kv_pages import PagedKV, pages_for
 from .scheduler import Scheduler, Sequence
 from .step import (
-    PAGED_ATTENTION,
+    FLEX_SPLIT_KV,
     DecodeStep,
     call_layer,
     decode_step,
@@ -54,7 +54,12 @@ class PagedSettings:
     the decoder layers through one compiled function that every layer shares (one layer traced and
     compiled, not 36), the embedding, norm, head and argmax eager between them; on a GPU either is
     replayed as one CUDA graph of the whole step, so the host launches a step in one call both ways.
-    "layers" is the default: as fast a step, and a fresh process traces one layer, not the step."""
+    "layers" is the default: as fast a step, and a fresh process traces one layer, not the step.
+    tail_slots: the decode step's narrower widths for the data set's tail (Scheduler.fit_width):
+    once no more sequences are left than one of them holds and none are to come, the steps run
+    that many rows (a compiled shape and CUDA graph each); (): every step runs all the slots.
+    split_kv: flex attention's split of each sequence's keys on a GPU (step.FLEX_SPLIT_KV; 0: the
+    kernel's own choice)."""
 
     slots: int
     page_size: int
@@ -65,6 +70,8 @@ class PagedSettings:
     attention: str = "gather"
     gather_if_flex_fails: bool = False
     compile_scope: str = "layers"
+    tail_slots: tuple[int, ...] = ()
+    split_kv: int = FLEX_SPLIT_KV
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
@@ -76,9 +83,18 @@ class PagedSettings:
                 f"paged engine: compile_scope must be one of {', '.join(COMPILE_SCOPES)}, "
                 f"got {self.compile_scope!r}"
             )
+        if self.split_kv < 0:
+            raise ValueError(
+                f"paged engine: split_kv must be 0 (the kernel's own) or more, got {self.split_kv}"
+            )
         for name in ("slots", "page_size", "max_tokens", "chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"paged engine: {name} must be at least 1, got {getattr(self, name)}")
+        if any(not 1 <= width < self.slots for width in self.tail_slots):
+            raise ValueError(
+                f"paged engine: tail_slots must each be at least 1 and fewer than the {self.slots} slots, "
+                f"got {list(self.tail_slots)}"
+            )
         if self.pages - 1 < self.max_pages:
             raise ValueError(
                 f"paged engine: a sequence of {self.max_tokens} tokens takes {self.max_pages} pages of "
@@ -119,11 +135,16 @@ class PagedEngine:
         parameter = next(target.parameters())
         self.target, self.settings = target, settings
         self.notice = notice or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.kv = PagedKV(target.config, settings.pages, settings.page_size, settings.slots,
-                          settings.max_pages, parameter.device, parameter.dtype)  # fmt: skip
+        self.kv = PagedKV(target.config, settings.pages, settings.page_size, settings.max_pages,
+                          parameter.device, parameter.dtype)  # fmt: skip
         self.graphed = settings.compile and parameter.device.type == "cuda"
-        self.steps = self.decode_steps_with(settings.attention)
+        # The decode step of each width in use (all the slots; the narrow one at a data set's tail),
+        # made when first needed; `width` is the one the next step runs.
+        self.attention_now = settings.attention
+        self.widths: dict[int, DecodeStep] = {}
+        self.width = settings.slots
         self.iterations = self.decode_steps = self.prefill_chunks = self.preemptions = 0
+        self.width_steps: Counter = Counter()  # decode steps by their width
         # Where the loop's wall time goes, in seconds (a bench prints it): "decode inputs" (the
         # host building a step's inputs and launching it), "decode wait" (until its tokens are on
         # the host: the device's step, where the host waits for it), "decode outputs", "prefill"
@@ -135,14 +156,26 @@ class PagedEngine:
         self.table_rows: list = [None] * settings.slots
 
     @property
+    def slot_steps(self) -> int:
+        """The row-steps the decode steps ran: each step's width, summed."""
+        return sum(width * steps for width, steps in self.width_steps.items())
+
+    @property
     def attention(self) -> str:
         """How the decode steps read the pages now: the settings' own, or "gather" after a fall-back."""
-        return "flex" if self.steps.pool_mask is not None else "gather"
+        return self.attention_now
 
-    def decode_steps_with(self, attention: str) -> DecodeStep:
+    @property
+    def steps(self) -> DecodeStep:
+        """The decode step of the width the next step runs."""
+        if self.width not in self.widths:
+            self.widths[self.width] = self.decode_steps_with(self.attention_now, self.width)
+        return self.widths[self.width]
+
+    def decode_steps_with(self, attention: str, width: int) -> DecodeStep:
         s = self.settings
         step = compiled_decode_step(attention, s.compile_scope) if s.compile else DECODE_STEPS[attention]
-        return DecodeStep(step, self.target, self.kv, s.slots, self.graphed, whole_pool=attention == "flex")
+        return DecodeStep(step, self.target, self.kv, width, self.graphed, whole_pool=attention == "flex")
 
     def next_tokens(self) -> torch.Tensor:
         """The decode step's next token of every slot. Flex attention's step may fail to compile
@@ -163,8 +196,9 @@ class PagedEngine:
                 "skips this attempt)"
             )
             failed = self.steps
-            self.steps = self.decode_steps_with("gather")
-            for name in ("tokens", "positions", "where"):
+            self.attention_now = "gather"
+            self.widths.clear()  # every width's step gathers from now on
+            for name in ("tokens", "positions", "where", "table"):
                 getattr(self.steps, name).copy_(getattr(failed, name))
             del failed
             return self.steps.next()
@@ -192,8 +226,7 @@ class PagedEngine:
             return min(max_new_tokens, answer_limit(key)) if answer_limit else max_new_tokens
 
         if self.settings.attention == "flex":
-            register_paged_attention()
-            with attention_of(self.target, PAGED_ATTENTION):
+            with attention_of(self.target, register_paged_attention(self.settings.split_kv)):
                 return self.run(requests, max_new_tokens, end_id, follow_up, should_stop, limit, more)
         return self.run(requests, max_new_tokens, end_id, follow_up, should_stop, limit, more)
 
@@ -220,6 +253,8 @@ class PagedEngine:
             if should_stop():
                 return None
             began = time.perf_counter()
+            # The data set's tail: a narrower step once what is left fits it and nothing more comes.
+            self.width = scheduler.fit_width(() if feeding else s.tail_slots)
             scheduler.admit()
             scheduler.grow()
             self.seconds["scheduling"] += time.perf_counter() - began
@@ -254,7 +289,7 @@ class PagedEngine:
         decoding = scheduler.decoding()
         if not decoding:
             return []
-        slots, page_size = self.settings.slots, self.settings.page_size
+        slots, page_size = self.width, self.settings.page_size
         tokens, positions, where = [0] * slots, [0] * slots, [0] * slots  # idle: the scratch page
         rows = [None] * slots
         for sequence in decoding:
@@ -267,13 +302,14 @@ class PagedEngine:
         for slot, row in enumerate(rows):
             if row is None and self.table_rows[slot] is not None:
                 self.host_table[slot] = 0  # the scratch page
-        self.table_rows = rows
-        self.steps.load(tokens, positions, where, self.host_table)
+        self.table_rows[:slots] = rows
+        self.steps.load(tokens, positions, where, self.host_table[:slots])
         following = self.next_tokens()
         launched = time.perf_counter()
         following = following.tolist()
         waited = time.perf_counter()
         self.decode_steps += 1
+        self.width_steps[slots] += 1
         for sequence in decoding:
             sequence.computed += 1
             sequence.answer.append(following[sequence.slot])
@@ -290,7 +326,7 @@ class PagedEngine:
         if not scheduler.prefill_due():
             return []
         chunks = scheduler.next_chunk()
-        page_size, device = self.settings.page_size, self.kv.decode_table.device
+        page_size, device = self.settings.page_size, self.kv.device
         tokens, positions, owners, where, ends = [], [], [], [], []
         table, key_owners, key_positions = [], [], []
         for owner, chunk in enumerate(chunks):

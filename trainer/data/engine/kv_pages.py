@@ -42,20 +42,18 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 class PagedKV:
     """The device side: for each layer a key pool and a value pool [kv heads, pages, page size, head
-    dim] (so that the whole pool is one sequence of keys for flex attention, without a copy), and
-    the block tables the steps read: one row per slot of page ids, max_pages wide."""
+    dim] (so that the whole pool is one sequence of keys for flex attention, without a copy). The
+    block tables the steps read (a row of page ids per slot, max_pages wide) are each step's own:
+    a decode step's (step.DecodeStep.table), a prefill chunk's."""
 
-    def __init__(self, config, pages: int, page_size: int, slots: int, max_pages: int, device, dtype):
+    def __init__(self, config, pages: int, page_size: int, max_pages: int, device, dtype):
         heads = config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         shape = (heads, pages, page_size, head_dim)
         layers = config.num_hidden_layers
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
-        self.pages, self.page_size, self.max_pages = pages, page_size, max_pages
-        # The decode step's table, one row per slot, loaded in place before each step (a CUDA graph
-        # reads it at a fixed address); a prefill chunk's one row is a tensor of its own.
-        self.decode_table = torch.zeros(slots, max_pages, dtype=torch.long, device=device)
+        self.pages, self.page_size, self.max_pages, self.device = pages, page_size, max_pages, device
 
     @property
     def bytes(self) -> int:

@@ -9,7 +9,13 @@ slots while their prompts' pages are free, plus a reserve of one page for each d
 (each may need a new page soon), and while the prompts admitted and not yet prefilled hold fewer
 than `chunk` tokens. When a decoding sequence
 needs a page and none is free, the newest sequence is preempted: its pages are freed and it goes
-back to the front of the waiting queue, to be prefilled again (prompt and answer so far) later."""
+back to the front of the waiting queue, to be prefilled again (prompt and answer so far) later.
+
+The data set's tail: once no more sequences are left than a narrower width holds (none waiting
+and none to come), they move into its first slots (their pages stay where they are: a slot is only
+the row of the decode step a sequence is in) and the decode steps run at that width until more
+come back (a next turn). A step of 256 slots that decodes a handful of answers computes 256 rows;
+one of 32 does the same useful work in fewer row-steps, and sooner."""
 
 from __future__ import annotations
 
@@ -55,6 +61,7 @@ class PrefillChunk:
 class Scheduler:
     def __init__(self, slots: int, pages: int, page_size: int, max_pages: int, chunk: int):
         self.slots: list[Sequence | None] = [None] * slots
+        self.width = slots  # the slots in use now: all, or the narrow step's at the tail (fit_width)
         self.allocator = PageAllocator(pages)
         self.page_size, self.max_pages, self.chunk = page_size, max_pages, chunk
         self.waiting: deque[Sequence] = deque()
@@ -78,7 +85,7 @@ class Scheduler:
     def admit(self) -> None:
         """Waiting sequences into free slots, first come first served, while their pages are free
         with the decoding sequences' reserve and the next chunk has room for their prompts."""
-        while self.waiting and None in self.slots:
+        while self.waiting and None in self.slots[: self.width]:
             if sum(len(s.tokens) - s.computed for s in self.prefilling()) >= self.chunk:
                 return
             sequence = self.waiting[0]
@@ -88,10 +95,25 @@ class Scheduler:
                 return  # wait for pages: a running sequence will end and give its pages back
             self.waiting.popleft()
             sequence.pages = self.allocator.take(needed)
-            sequence.slot = self.slots.index(None)
+            sequence.slot = self.slots.index(None, 0, self.width)
             sequence.computed, sequence.decoding = 0, False
             sequence.admitted = next(self.order)
             self.slots[sequence.slot] = sequence
+
+    def fit_width(self, narrower: tuple[int, ...] = ()) -> int:
+        """The decode step's width this iteration: the narrowest of `narrower` that every sequence
+        left fits (those in slots past it move into its free slots), or every slot while more are
+        left than any of them holds (a caller with more requests to come passes none). Returns it."""
+        occupied = [s for s in self.slots if s is not None]
+        left = len(occupied) + len(self.waiting)
+        fitting = [width for width in narrower if left <= width < len(self.slots)]
+        self.width = min(fitting, default=len(self.slots))
+        for sequence in occupied:
+            if sequence.slot >= self.width:
+                free = self.slots.index(None, 0, self.width)
+                self.slots[sequence.slot], self.slots[free] = None, sequence
+                sequence.slot = free
+        return self.width
 
     def prefill_due(self) -> bool:
         """Whether this iteration runs a prefill chunk besides its decode step. A chunk costs about as
@@ -105,8 +127,8 @@ class Scheduler:
             return False
         if not self.waiting or sum(len(s.tokens) - s.computed for s in prefilling) >= self.chunk:
             return True
-        idle = sum(1 for s in self.slots if s is None or not s.decoding)
-        return idle * 8 >= len(self.slots)
+        idle = sum(1 for s in self.slots[: self.width] if s is None or not s.decoding)
+        return idle * 8 >= self.width
 
     def next_chunk(self) -> list[PrefillChunk]:
         """The next prefill chunk: the oldest prefilling sequences' next tokens, `chunk` in all."""

@@ -10,6 +10,7 @@ compiled once and, on a GPU, replayed as a CUDA graph (DecodeStep)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -21,6 +22,11 @@ from .kv_pages import LayerPages, PagedKV
 # transformers under this name; any other mask (a prefill's) goes to transformers' own sdpa.
 FLEX_QUERY_BLOCK = 128
 PAGED_ATTENTION = "paged_pool"  # no "flash" in it: transformers takes such a name for a flash kernel
+# On a GPU, flex attention's decoding kernel splits each sequence's keys among this many blocks of
+# threads (its SPLIT_KV): at 256 slots x 8 KV heads its own choice is 1, and 4 read the pool's pages
+# in 0.319 ms a layer against 0.388 ms on one H100 (bench/paged_attention_bench.py,
+# docs/PERFORMANCE.md). 0: the kernel's own choice.
+FLEX_SPLIT_KV = 4
 
 
 def visible(positions: torch.Tensor, keys: int) -> torch.Tensor:
@@ -42,7 +48,8 @@ def packed_visible(positions: torch.Tensor, owners: torch.Tensor, key_owners: to
 def as_attention_mask(target, seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The mask in the form the target's attention takes: boolean (sdpa, and the paged attention's
     sdpa), or added to the scores (eager); a block mask as it is."""
-    if target.config._attn_implementation in ("sdpa", PAGED_ATTENTION) or not isinstance(seen, torch.Tensor):
+    attention = target.config._attn_implementation
+    if attention == "sdpa" or attention.startswith(PAGED_ATTENTION) or not isinstance(seen, torch.Tensor):
         return seen
     return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
 
@@ -106,7 +113,7 @@ class PoolMask:
     def __init__(self, kv: PagedKV, slots: int):
         from torch.nn.attention.flex_attention import BlockMask
 
-        device, page_size = kv.decode_table.device, kv.page_size
+        device, page_size = kv.device, kv.page_size
         self.kv = kv
         self.owner = torch.full((kv.pages,), -1, dtype=torch.long, device=device)
         self.place = torch.zeros(kv.pages, dtype=torch.long, device=device)
@@ -154,10 +161,12 @@ def _compute_q_blocks_optional() -> bool:
 COMPUTE_Q_BLOCKS_OPTIONAL = _compute_q_blocks_optional()
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, split_kv=0,
+                    **kwargs):  # fmt: skip
     """transformers' attention interface: a block mask (the decode step's over the pool) is flex
-    attention's, with the key and value heads shared by query groups in the kernel; any other mask
-    is transformers' sdpa's."""
+    attention's, with the key and value heads shared by query groups in the kernel (its keys split
+    among split_kv blocks of threads on a GPU, FLEX_SPLIT_KV); any other mask is transformers'
+    sdpa's."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -165,14 +174,19 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    out = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
+    options = {"SPLIT_KV": split_kv} if split_kv and query.is_cuda else None
+    out = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True,
+                         kernel_options=options)  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 
-def register_paged_attention() -> None:
+def register_paged_attention(split_kv: int = 0) -> str:
+    """The paged attention registered with transformers, for this split of the keys; its name."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(PAGED_ATTENTION, paged_attention)
+    name = f"{PAGED_ATTENTION}_split{split_kv}" if split_kv else PAGED_ATTENTION
+    AttentionInterface.register(name, functools.partial(paged_attention, split_kv=split_kv))
+    return name
 
 
 class DecodeStep:
@@ -182,13 +196,16 @@ class DecodeStep:
     and every later step replays it, one launch a step."""
 
     def __init__(self, step, target, kv: PagedKV, slots: int, graphed: bool, whole_pool: bool = False):
-        device = kv.decode_table.device
+        device = kv.device
         self.step, self.target, self.kv = step, target, kv
+        # Each slot's table of pages, loaded in place before each step (a CUDA graph reads it at a
+        # fixed address).
+        self.table = torch.zeros(slots, kv.max_pages, dtype=torch.long, device=device)
         self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.following = torch.zeros(slots, dtype=torch.long, device=device)
         self.where = torch.zeros(slots, 1, dtype=torch.long, device=device)
-        self.pages = layer_pages(kv, kv.decode_table, self.where, whole_pool)
+        self.pages = layer_pages(kv, self.table, self.where, whole_pool)
         # Reading the whole pool in place: the step takes the block mask too (flex_decode_step).
         self.pool_mask = PoolMask(kv, slots) if whole_pool else None
         self.recorded = RecordedStep(self.run, graphed)
@@ -200,9 +217,9 @@ class DecodeStep:
         self.tokens.copy_(rows[:, :1])
         self.positions.copy_(rows[:, 1:2])
         self.where.copy_(rows[:, 2:])
-        self.kv.decode_table.copy_(table)
+        self.table.copy_(table)
         if self.pool_mask is not None:
-            self.pool_mask.load(self.kv.decode_table, self.positions)
+            self.pool_mask.load(self.table, self.positions)
 
     def run(self) -> None:
         mask = () if self.pool_mask is None else (self.pool_mask.block_mask,)
