@@ -9,7 +9,11 @@ leaves nothing behind for long.
 `--behave` (passed through the module's `args`) picks what it does: `train` (the default),
 `bad-input` (an `error: ...` line, exit 2), `no-record` (never writes its run record),
 `ignore-term` (SIGTERM ignored: only SIGKILL stops it), `finish` (two steps, `done: ...`, exit 0),
-`checkpoint-every-step` (a checkpoint after each step, so that a stop rewrites the one just written).
+`checkpoint-every-step` (a checkpoint after each step, so that a stop rewrites the one just written),
+and at a stop without a checkpoint: `write-fails-at-stop` (its write fails: an `error: ...` line, exit
+1, the record as its supervisor leaves it), `killed-at-stop` (SIGKILL while it writes: the OOM killer)
+and `dies-at-stop-unrecorded` (a crash that leaves its record saying running). A stop before the first
+step says `nothing to checkpoint yet`, as the trainer does.
 Checkpoints are written as the trainer writes them: a new file moved into place.
 """
 
@@ -70,6 +74,31 @@ def save():
 
 def on_term(signum, frame):
     say("signal SIGTERM: checkpointing and exiting")
+    if step == 0:  # the real trainer's words for a stop before its first step
+        say("nothing to checkpoint yet (training had not started)")
+        say("stopped at step 0")
+        if out:
+            reason = "stopped at step 0, before training began"
+            write_record(state="stopped", exit_status=0, exit_reason=reason)
+        sys.exit(0)
+    if behave == "write-fails-at-stop":
+        error = (
+            "cannot save the checkpoint of step %d in %s: No space left on device; the last intact "
+            "checkpoint is none. Free space there and resume (-e resume=true)"
+        ) % (step, os.path.join(out, "checkpoints"))
+        say("error: " + error)
+        write_record(
+            state="stopped", exit_status=1, exit_reason="stopped by SIGTERM, then exit status 1: " + error,
+            checkpoint_lost={{"step": step, "reason": error}},
+        )
+        sys.exit(1)
+    if behave == "killed-at-stop":  # killed while it writes (the OOM killer); its supervisor's record
+        reason = "stopped by SIGTERM, then killed by SIGKILL"
+        write_record(state="stopped", exit_status=-9, exit_reason=reason)
+        os.kill(pid, signal.SIGKILL)
+    if behave == "dies-at-stop-unrecorded":
+        say("RuntimeError: CUDA error: an illegal memory access was encountered")
+        os._exit(1)
     if out:
         save()
         write_record(state="stopped", exit_status=0, exit_reason="stopped after a checkpoint")

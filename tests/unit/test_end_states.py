@@ -124,3 +124,21 @@ def test_a_restart_clears_the_crashed_process_s_way_out_from_the_record(tmp_path
     EventLog(tmp_path, "r", run_id="r-1", notify_url="").record("restart", "restarted", reason="crashed")
     after = json.loads((tmp_path / "run.json").read_text())
     assert after["state"] == "running" and "stage" not in after and "exiting" not in after
+
+
+@pytest.mark.parametrize(
+    ("status", "recorded"),
+    [(-signal.SIGTERM, 0), (-signal.SIGINT, 0), (-signal.SIGKILL, -signal.SIGKILL), (-signal.SIGSEGV, -11)],
+)
+def test_a_trainer_that_died_in_a_stop_keeps_its_signal_in_the_record(tmp_path, status, recorded) -> None:
+    """A trainer killed by the stop's own signal before its handlers were up stopped cleanly (exit 0);
+    one killed by anything else on its way out of a stop (the OOM killer during the checkpoint's write,
+    a crash) wrote no checkpoint: its record keeps that signal, never a clean 0."""
+    import os
+
+    record = {"run_id": "r-1", "run": "r", "pid": os.getpid(), "state": "running"}
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    how = "stopped by SIGTERM" if recorded == 0 else f"stopped by SIGTERM, then killed by signal {-status}"
+    EventLog(tmp_path, "r", run_id="r-1", notify_url="").record("stop", how, exit_status=status)
+    after = json.loads((tmp_path / "run.json").read_text())
+    assert (after["state"], after["exit_status"], after["exit_reason"]) == ("stopped", recorded, how)

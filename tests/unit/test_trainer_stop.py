@@ -25,12 +25,13 @@ from tests.unit.standin import (
 
 @pytest.fixture
 def trainer(tmp_path, run_module):
-    """start(*args, out=None) -> trainer_start's result for a stand-in trainer that has logged a step."""
+    """start(*args, out=None, until="step 1/10 ") -> trainer_start's result for a stand-in trainer that
+    has logged `until` (a step, by default)."""
     script = workspace(tmp_path / "ws")
     log = tmp_path / "train.log"
     with Started() as started:
 
-        def start(*args: str, out=None) -> dict:
+        def start(*args: str, out=None, until: str = "step 1/10 ") -> dict:
             params = {"script": str(script), "log": str(log), "run": "nographs"}
             if out:
                 params["out"] = str(out)
@@ -38,7 +39,7 @@ def trainer(tmp_path, run_module):
             result = run_module(trainer_start.main, {**params, "args": list(args)})
             started.add(result.result)
             assert not result.failed, result.result["msg"]
-            assert logged_within(log, "step 1/10 ", 10)
+            assert logged_within(log, until, 10)
             return result.result
 
         yield start
@@ -229,4 +230,118 @@ def test_a_record_with_wrong_types_is_repaired_from_the_lock_and_the_trainer_sto
     after = read_record(runs / "nographs")
     assert (
         after["state"] == "stopped" and after["pid"] == started["pid"] and after["run_id"] == record["run_id"]
+    )
+
+
+def stop_at_target(run_module, runs, log) -> dict:
+    result = run_module(trainer_stop.main, {"runs_dir": str(runs), "recorded": {}, "log": str(log)})
+    assert not result.failed, result.result["msg"]
+    assert result.result["killed"] is False and result.result["checkpoint"] is None
+    return result.result
+
+
+def test_a_stop_before_the_first_step_says_it_had_not_started_training_as_the_trainer_does(
+    tmp_path, run_module, trainer
+) -> None:
+    runs = tmp_path / "runs"
+    started = trainer("--first-step-after", "30", out=runs / "nographs", until="stand-in trainer")
+    result = stop_at_target(run_module, runs, tmp_path / "train.log")
+    assert gone_within(started["pid"], 5)
+    said = f"stopped PID {started['pid']} after SIGTERM; no new checkpoint (it had not started training)"
+    assert result["msg"] == said
+    assert read_record(runs / "nographs")["exit_reason"] == "stopped at step 0, before training began"
+
+
+def test_a_resumed_run_stopped_before_training_says_so_from_its_record_alone(tmp_path) -> None:
+    """The record's `..., before training began` is the trainer's own word too, with no line to go by:
+    a resume stopped while it compiled has trained no step of its own, its checkpoint holds step 4."""
+    out, log = tmp_path / "nographs", tmp_path / "train.log"
+    out.mkdir()
+    log.write_text("step 4/24 loss 9.0 lr 6.00e-04 tok/s 100\n")  # the launch before, in the same log
+    reason = "stopped at step 4, before training began"
+    (out / "run.json").write_text(json.dumps({"run_id": "r-1", "state": "stopped", "exit_reason": reason}))
+    said = trainer_stop.without_checkpoint(str(log), log.stat().st_size, str(out), "r-1", None)
+    assert said == " (it had not started training)"
+    (out / "run.json").write_text(json.dumps({"run_id": "r-0", "state": "stopped", "exit_reason": reason}))
+    said = trainer_stop.without_checkpoint(str(log), log.stat().st_size, str(out), "r-1", None)
+    assert said.startswith(": the trainer ended at step 4 without writing one"), "another run's record"
+
+
+def test_a_checkpoint_write_that_fails_at_the_stop_is_said_with_its_step_and_error(
+    tmp_path, run_module, trainer
+) -> None:
+    """The stop's checkpoint cannot be written (a full disk): the trainer logs no checkpoint line and
+    exits 1. The stop names the step it had reached, the record's exit status and reason, and that
+    nothing of the run is saved; never that it had not started training."""
+    runs = tmp_path / "runs"
+    started = trainer("--behave", "write-fails-at-stop", out=runs / "nographs")
+    result = stop_at_target(run_module, runs, tmp_path / "train.log")
+    assert gone_within(started["pid"], 5)
+    msg = result["msg"]
+    assert "not started training" not in msg
+    step = int(msg.split("the trainer ended at step ", 1)[1].split()[0])
+    assert step >= 1 and read_record(runs / "nographs")["checkpoint_lost"]["step"] == step
+    assert msg.startswith(
+        f"stopped PID {started['pid']} after SIGTERM; no new checkpoint: the trainer ended at step {step} "
+        "without writing one (exit status 1: stopped by SIGTERM, then exit status 1: cannot save the "
+        f"checkpoint of step {step} in {runs / 'nographs' / 'checkpoints'}: No space left on device;"
+    ), msg
+    assert msg.endswith("; the run has no checkpoint: no step of it is saved"), msg
+
+
+def test_a_trainer_killed_while_it_writes_the_stop_s_checkpoint_is_said_killed_after_the_newest_one(
+    tmp_path, run_module, trainer
+) -> None:
+    """Killed while it writes (the OOM killer): no checkpoint line, the record says how (its supervisor
+    wrote it), and the stop names the newest checkpoint on disk, after which the training is lost."""
+    runs = tmp_path / "runs"
+    out = runs / "nographs"
+    started = trainer("--behave", "killed-at-stop", out=out)
+    older = out / "checkpoints" / "step_00000000.pt"  # one from before (a resume's, say)
+    older.parent.mkdir()
+    older.write_bytes(b"checkpoint")
+    result = stop_at_target(run_module, runs, tmp_path / "train.log")
+    assert gone_within(started["pid"], 5)
+    msg = result["msg"]
+    step = int(msg.split("the trainer ended at step ", 1)[1].split()[0])
+    assert msg == (
+        f"stopped PID {started['pid']} after SIGTERM; no new checkpoint: the trainer ended at step {step} "
+        "without writing one (exit status -9: stopped by SIGTERM, then killed by SIGKILL); the newest "
+        f"checkpoint is step 0 ({older}): the steps after it are not saved"
+    )
+    assert read_record(out)["exit_status"] == -9  # the stop leaves the trainer's own end as it is
+
+
+def test_a_trainer_that_dies_at_the_stop_without_a_record_has_its_log_said_and_no_clean_end_noted(
+    tmp_path, run_module, trainer
+) -> None:
+    """A crash at the stop that closes no record: the stop says so with the log's error line, and the
+    end it notes in the record has no exit status (nothing says it ended cleanly)."""
+    runs = tmp_path / "runs"
+    started = trainer("--behave", "dies-at-stop-unrecorded", out=runs / "nographs")
+    result = stop_at_target(run_module, runs, tmp_path / "train.log")
+    assert gone_within(started["pid"], 5)
+    msg = result["msg"]
+    assert "the trainer ended at step " in msg and "not started training" not in msg
+    assert msg.split(" without writing one ", 1)[1] == (
+        "(its run record does not say how it ended; its log: RuntimeError: CUDA error: an illegal memory "
+        "access was encountered); the run has no checkpoint: no step of it is saved"
+    )
+    record = read_record(runs / "nographs")
+    assert record["state"] == "stopped" and record["exit_status"] is None
+    assert record["exit_reason"].startswith("stopped on SIGTERM without a checkpoint, exit status unknown")
+
+
+def test_without_the_run_s_record_the_step_comes_from_the_log(tmp_path) -> None:
+    """A stop given the PID alone (no runs_dir): the log's last progress line gives the step; the
+    newest checkpoint is not known there, so nothing is said of it."""
+    log = tmp_path / "train.log"
+    log.write_text(
+        "step 1/24 loss 11.0 lr 6.00e-04 tok/s 100\nstep 4/24 loss 9.0 lr 6.00e-04 tok/s 100\n"
+        "signal SIGTERM: checkpointing and exiting\n"
+    )
+    said = trainer_stop.without_checkpoint(str(log), 0, None, None, None)
+    assert said == (
+        ": the trainer ended at step 4 without writing one "
+        "(its run record and its log do not say how it ended)"
     )

@@ -20,6 +20,7 @@ import base64
 import datetime
 import json
 import os
+import signal
 import socket
 import sys
 import urllib.error
@@ -68,8 +69,6 @@ def describe_status(status: int) -> str:
     """A subprocess return code in words: `exit status 1` or `killed by SIGKILL`."""
     if status < 0:
         try:
-            import signal
-
             return f"killed by {signal.Signals(-status).name}"
         except ValueError:
             return f"killed by signal {-status}"
@@ -238,12 +237,15 @@ class EventLog:
         elif event == "stop" and record.get("state") == "crashed":
             record.update(state="stopped", exit_reason=row["text"].split(": ", 1)[-1], ended_at=row["time"])
         elif event in ("stop", "finish") and record.get("state") == "running":
-            # The trainer ended before it could close the record (a stop before its handlers were
-            # installed): the process that ends the run closes it.
+            # The trainer ended before it could close the record: the process that ends the run
+            # closes it. Killed by the stop's own signal (before its handlers were installed) it
+            # stopped cleanly, 0; killed by another (the OOM killer while it wrote the stop's
+            # checkpoint) it wrote none, and the record keeps that signal.
             status = row["exit_status"]
+            clean = status is None or status in (0, -signal.SIGTERM, -signal.SIGINT)
             record.update(
                 state="stopped" if event == "stop" else "finished",
-                exit_status=0 if status is None or status <= 0 else status,
+                exit_status=0 if clean else status,
                 exit_reason=row["text"].split(": ", 1)[-1],
                 ended_at=row["time"],
             )

@@ -12,6 +12,10 @@ description:
   - Sends SIGTERM to the recorded trainer (only when the PID still is that trainer, with the same start
     time and boot id), then waits for its checkpoint line and its exit.
   - When it has not exited after O(timeout) seconds, sends SIGKILL and says so.
+  - Where the trainer exits without a checkpoint of the stop, says that it had not started training only
+    where the trainer says so itself; otherwise the step it had reached, its exit status and reason from
+    its run record (or its last error line), and the newest checkpoint on disk, after which the training
+    is not saved.
   - Does nothing, unchanged, when no run is recorded, the trainer has exited already, or the PID
     now belongs to another process.
 options:
@@ -116,6 +120,8 @@ from ansible_collections.dflash.ct200.plugins.module_utils.run_record import (
 )
 from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
     CHECKPOINT_RE,
+    PROGRESS_RE,
+    last_matching,
     newest_checkpoint,
     probe,
     reconcile,
@@ -126,6 +132,14 @@ from ansible_collections.dflash.ct200.plugins.module_utils.trainer_proc import (
 POLL_S = 0.2
 KILL_WAIT_S = 10.0
 STOP_START_RE = re.compile(r"^signal \S+.*: checkpointing and exiting")
+# The trainer's own word that a stop found nothing to checkpoint (trainer/run/train.py, checkpoint_and_stop):
+# its log line, and the end of its run record's exit reason.
+NOT_STARTED_LINE = "nothing to checkpoint yet (training had not started)"
+NOT_STARTED_REASON = ", before training began"
+STEP_RE = re.compile(r"^step (\d+)/\d+ ")
+STOPPED_AT_RE = re.compile(r"^stopped at step (\d+)\b")
+ERROR_LINE_RE = re.compile(r"^(error: |[A-Za-z_.]*(Error|Exception): )")
+REASON_CHARS = 400
 
 
 def log_size(path: str | None) -> int:
@@ -157,6 +171,57 @@ def stop_checkpoint_before(path: str | None) -> str | None:
     return next((line for line in reversed(lines[starts[-1] :]) if CHECKPOINT_RE.search(line)), None)
 
 
+def lines_of_the_stop(path: str | None, offset: int) -> list[str]:
+    """The log's lines since the signal, and those of a stop that began just before it (another host's
+    signal, see stop_checkpoint_before)."""
+    lines = tail(path, 50)
+    starts = [i for i, line in enumerate(lines) if STOP_START_RE.search(line)]
+    before = lines[starts[-1] :] if starts else []
+    return before + new_lines(path, offset)
+
+
+def run_record_after(out: str | None, run_id: str | None) -> dict:
+    """The target's record of this run as the trainer (or its supervisor) left it, {} where there is none."""
+    record = read_record(out) if out and run_id else None
+    return record if isinstance(record, dict) and record.get("run_id") == run_id else {}
+
+
+def end_recorded(record: dict, said: list[str]) -> str:
+    """The exit status and reason the run record holds; where it holds none (it still says running),
+    the trainer's last error line after the signal, if any."""
+    status, reason = record.get("exit_status"), record.get("exit_reason")
+    if record.get("state", "running") != "running" and (status is not None or reason):
+        reason = str(reason or "no reason recorded")[:REASON_CHARS]
+        return f"exit status {status}: {reason}" if status is not None else reason
+    error = next((line for line in reversed(said) if ERROR_LINE_RE.match(line)), None)
+    if error:
+        return f"its run record does not say how it ended; its log: {error[:REASON_CHARS]}"
+    return "its run record and its log do not say how it ended"
+
+
+def without_checkpoint(log: str | None, offset: int, out: str | None, run_id: str | None,
+                       newest: tuple | None) -> str:  # fmt: skip
+    """What a stop that brought no checkpoint says after `no new checkpoint`: that the trainer had not
+    started training only where the trainer says so itself (its log line or its run record's reason);
+    else the step it had reached, how it ended, and the newest checkpoint on disk (the training after
+    it is not saved)."""
+    said = lines_of_the_stop(log, offset)
+    record = run_record_after(out, run_id)
+    if NOT_STARTED_LINE in said or str(record.get("exit_reason", "")).endswith(NOT_STARTED_REASON):
+        return " (it had not started training)"
+    step = next((int(m.group(1)) for line in reversed(said) if (m := STOPPED_AT_RE.match(line))), None)
+    if step is None and (progress := last_matching(log, PROGRESS_RE)):
+        step = int(STEP_RE.match(progress).group(1))
+    where = f"at step {step}" if step is not None else "before it logged a training step,"
+    text = f": the trainer ended {where} without writing one ({end_recorded(record, said)})"
+    if out is None:
+        return text
+    if newest is None:
+        return text + ("; the run has no checkpoint" + (": no step of it is saved" if step else ""))
+    text += f"; the newest checkpoint is step {newest[0]} ({newest[1]})"
+    return text + (": the steps after it are not saved" if step is not None and step > newest[0] else "")
+
+
 def gone(module: AnsibleModule) -> bool:
     params = module.params
     return probe(params["pid"], params["start_time"], params["boot_id"], params["run"])["state"] != "running"
@@ -185,17 +250,21 @@ def newest_written(out: str | None) -> tuple | None:
     return (*newest, stat.st_ino, stat.st_mtime_ns)
 
 
-def note_stopped(out: str | None, run_id: str | None, killed: bool) -> None:
+def note_stopped(out: str | None, run_id: str | None, killed: bool, checkpointed: bool = True) -> None:
     """The target's record of a trainer that has exited says so. The trainer notes its own end;
     where it could not (its record was lost when it ended, and rebuilt from its lock just after),
-    the record would say running for good, so the stop notes the end itself."""
+    the record would say running for good, so the stop notes the end itself. Without a checkpoint
+    of the stop, nothing tells that the trainer ended cleanly: its exit status is unknown."""
     record = read_record(out) if out and run_id else None
     if record is None or record.get("run_id") != run_id or record.get("state", "running") != "running":
         return
     if killed:  # the signal as the exit status, as for a crash (docs/OPERATING.md)
         record.update(exit_status=-signal.SIGKILL, exit_reason="killed by the stop (SIGKILL)")
-    else:
+    elif checkpointed:
         record.update(exit_status=0, exit_reason="stopped on SIGTERM (its end noted by the stop)")
+    else:
+        reason = "stopped on SIGTERM without a checkpoint, exit status unknown (its end noted by the stop)"
+        record.update(exit_status=None, exit_reason=reason)
     record.update(state="stopped", ended_at=utc_now())
     with contextlib.suppress(OSError):  # the controller's record and the ledger still say stopped
         write_record(out, record)
@@ -271,10 +340,15 @@ def main() -> None:
         result["checkpoint"] = next((line for line in reversed(after) if CHECKPOINT_RE.search(line)), None)
         if result["checkpoint"] is None:
             result["checkpoint"] = stop_checkpoint_before(params["log"])
+    run_id = (found["record"] or {}).get("run_id")
+    nothing_new = ""
+    if not result["checkpoint"] and not result["killed"]:
+        # Read before the stop notes an end the trainer did not note itself.
+        nothing_new = without_checkpoint(params["log"], offset, out, run_id, newest_before)
     if found["record"]:
         result["record"] = {**found["record"], "state": "stopped", "killed": result["killed"]}
         if exited:
-            note_stopped(out, found["record"].get("run_id"), result["killed"])
+            note_stopped(out, run_id, result["killed"], checkpointed=bool(result["checkpoint"]))
     result["log_tail"] = tail(params["log"], params["tail_lines"])
     if not exited:
         module.fail_json(
@@ -291,7 +365,7 @@ def main() -> None:
     elif result["checkpoint"]:
         msg = f"stopped PID {params['pid']} after SIGTERM; {result['checkpoint']}"
     else:
-        msg = f"stopped PID {params['pid']} after SIGTERM; no new checkpoint (it had not started training)"
+        msg = f"stopped PID {params['pid']} after SIGTERM; no new checkpoint{nothing_new}"
     module.exit_json(changed=True, msg=msg, **result)
 
 
