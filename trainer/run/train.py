@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import gc
 import math
+import shutil
 import signal
 import socket
 import sys
@@ -231,6 +232,9 @@ def train_models(
         weights = resume_from.state["drafter"] if resume_from is not None else None
         models = load_models(cfg, place, out, clock, preload, weights)
         del weights
+        room = checkpoint_room_problem(out_dir, models.replicas[0].drafter) if world.is_lead else None
+        if world.any(room is not None):
+            raise BadInput(room or "rank 0's disk cannot hold a checkpoint of this run (its log says why)")
         first_weights = FirstEvaluationWeights.of_start(resume_from, models.replicas[0].drafter)
         # A stop before training: the run stays at its checkpoint's step (0 on a fresh start).
         begun = int(resume_from.state.get("step", 0)) if resume_from is not None else 0
@@ -255,6 +259,31 @@ def train_models(
             run.close_checkpoints()
         if topology is not None:
             topology.close()
+
+
+def free_disk_bytes(path: Path) -> int:
+    """The free space of the filesystem that holds `path` (or, not made yet, its nearest parent)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def checkpoint_room_problem(out_dir: Path, drafter: torch.nn.Module) -> str | None:
+    """Why the run's disk cannot hold one checkpoint, or None: then its first checkpoint, a stop's
+    included, would fail, and the training before it be lost. A checkpoint holds the trainable
+    weights and AdamW's two moments, each their size (the recipe's: 1.05 B parameters, 11.72 GiB)."""
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    needed = 3 * sum(p.numel() * p.element_size() for p in trainable)
+    directory = out_dir / "checkpoints"
+    free = free_disk_bytes(directory)
+    if free >= needed:
+        return None
+    return (
+        f"the disk of {directory} has {free / 2**30:.2f} GiB free, and a checkpoint of this run takes about "
+        f"{needed / 2**30:.2f} GiB (the drafter's {sum(p.numel() for p in trainable):,} trainable parameters "
+        "and AdamW's two moments): its first checkpoint, a stop's too, would fail and lose the training "
+        "before it. Free space there, or give the run an output on a larger disk"
+    )
 
 
 def describe_run(cfg: Config, out_dir: Path, place: Placement) -> str:
