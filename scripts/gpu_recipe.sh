@@ -187,7 +187,7 @@ EOF
 }
 
 checkpoint_lines() {  # checkpoint_lines LOG: every checkpoint's pause and write, the newest last
-    { grep -E "^checkpoint step [0-9]+: training paused|^checkpoint step [0-9]+ not saved|written without a host copy" "$1" \
+    { grep -E "^checkpoint step [0-9]+: training paused|^checkpoint step [0-9]+ not saved|written without a host copy|^error: cannot save the checkpoint" "$1" \
         || echo "none"; } | sed 's/^/   /'
 }
 
@@ -247,7 +247,7 @@ stage_train() {
     gpus | sed 's/^/   GPU /'
     playbook stop stop.log
     grep -E "stopped|checkpoint" "$OUT/stop.log" | head -4 | sed 's/^/   /'
-    grep -E "^checkpoint" "$log" | tail -n 3 | sed 's/^/   /'
+    { grep -E "^checkpoint|^error: " "$log" || echo "no checkpoint line"; } | tail -n 3 | sed 's/^/   /'
     say "checkpoints of the launched process (the stop's last):"
     checkpoint_lines "$log"
     cp "$log" "$OUT/launch_train_qwen3-8b.log"  # the next launch starts the log anew (the old one renamed)

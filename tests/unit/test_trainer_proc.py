@@ -78,11 +78,14 @@ def test_tau_of_a_host_without_metrics_comes_from_its_log(tmp_path: Path) -> Non
     assert trainer_proc.last_tau_in_log(str(log)) is None
 
 
-def test_a_full_disk_in_the_log_is_a_crash_not_bad_input() -> None:
+def test_a_full_disk_or_an_unsaved_checkpoint_in_the_log_is_a_crash_not_bad_input() -> None:
     line = "error: disk full writing /w/runs/r/checkpoints: No space left on device; the last intact ..."
     verdict = trainer_proc.exit_from_log(["step 3/100 loss 1.0", line])
     assert verdict["exit_status"] == 1 and verdict["exit_reason"].startswith("crashed: disk full writing")
     assert trainer_proc.exit_from_log(["error: train.lr must be positive"])["exit_status"] == 2
+    unsaved = "error: cannot save the checkpoint of step 1 in /w/r/checkpoints: No space left on device; ..."
+    verdict = trainer_proc.exit_from_log(["signal SIGTERM: checkpointing and exiting", unsaved])
+    assert verdict == {"exit_status": 1, "exit_reason": "crashed: " + unsaved[len("error: ") :]}
     said = "the loss is nan at step 4 (train.lr 0.5); ..."
     assert trainer_proc.exit_from_log([f"error: diverged: {said}"]) == {
         "exit_status": 2,

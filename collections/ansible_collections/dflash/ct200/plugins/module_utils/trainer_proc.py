@@ -222,9 +222,10 @@ def _verdict(lines: list[str]) -> dict:
             return {"exit_status": 0, "exit_reason": "finished"}
         if line.startswith("stopped at step "):
             return {"exit_status": 0, "exit_reason": "stopped after a checkpoint"}
-        if line.startswith("error: disk full "):
-            # trainer/cli.py's full disk: exit status 1, not bad input (its record may not say so
-            # where no space was reserved for it).
+        if line.startswith(("error: disk full ", "error: cannot save the checkpoint ")):
+            # trainer/cli.py's full disk, or a checkpoint the trainer could not write (a stop's, the
+            # end's): exit status 1, not bad input (its record may not say so where no space was
+            # reserved for it).
             return {"exit_status": 1, "exit_reason": "crashed: " + line[len("error: ") :]}
         if line.startswith("error: diverged: "):
             return {"exit_status": 2, "exit_reason": line[len("error: ") :]}
