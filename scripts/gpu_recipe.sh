@@ -42,7 +42,10 @@
 #          stage's shards, if any, kept) to its first progress, its startup breakdown, nvidia-smi
 #          and the training's peak GPU memory in its step rows, then stop.yml: whether a bare
 #          machine's first start fits the card (EXTRA_SET=train.batch_size=N).
-# Usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, first-start, all), in order;
+#   writes: two fresh runs of STEPS steps on the same rows, without periodic checkpoints and every
+#          CHECKPOINT_EVERY steps, their progress windows' tok/s side by side: what a write in the
+#          background costs the step (docs/PERFORMANCE.md).
+# Usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, first-start, writes, all), in order;
 # e.g. `data`, then `train`, then `export warm-compare`: the recipe from an empty state and the
 # product's regeneration against its bench, in three calls.
 # Each stage fits a device call of ten minutes. On one H200 (2026-12-05, docs/PERFORMANCE.md) with
@@ -64,7 +67,7 @@
 # Every process it starts is ended by PID, also on failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, first-start, all)}
+STAGE=${1:?usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, first-start, writes, all)}
 OUT=${OUT:-/tmp/gpu_recipe}
 # compare builds its own, smaller chat set: a directory of its own, so data and train find theirs.
 RECIPE_DIR=${RECIPE_DIR:-/tmp/dflash-$([ "$STAGE" = compare ] && echo compare || echo recipe)}
@@ -315,6 +318,35 @@ PY
     cp "$log" "$OUT/first_start_train_qwen3-8b.log"
 }
 
+stage_writes() {  # the step's rate with and without background checkpoints, on the same rows
+    # Two fresh runs of STEPS steps, the same seed and so the same rows at each step: one without
+    # periodic checkpoints, then one every CHECKPOINT_EVERY steps (the first also fills the compile
+    # cache the second starts from). Each progress window's tok/s side by side: a window that
+    # differs only by a write in flight beside it says what the write costs the step.
+    build_model
+    local log=$STATE/workspace/train_qwen3-8b.log every=$CHECKPOINT_EVERY period
+    for period in 0 "$every"; do
+        CHECKPOINT_EVERY=$period write_vars
+        wait_for_idle_gpus 120
+        playbook launch "writes_$period.log" -e run=qwen3-8b -e "steps=$STEPS" -e fresh=true \
+            || grep -E "FAILED|msg" "$OUT/writes_$period.log" | head -6 | sed 's/^/   /'
+        wait_for_end 400 || say "the run every $period steps did not end in time"
+        cp "$log" "$OUT/writes_${period}_train_qwen3-8b.log"
+        checkpoint_lines "$log"
+    done
+    CHECKPOINT_EVERY=$every write_vars
+    python3 - "$OUT/writes_0_train_qwen3-8b.log" "$OUT/writes_${every}_train_qwen3-8b.log" "$every" <<'PY'
+import re, sys
+rate = re.compile(r"^step (\d+)/\d+ .* tok/s (\d+)")
+def windows(path):
+    return {int(m[1]): int(m[2]) for m in map(rate.match, open(path)) if m}
+alone, beside = windows(sys.argv[1]), windows(sys.argv[2])
+print(f"   window ending at step: tok/s without periodic checkpoints | every {sys.argv[3]} steps | ratio")
+for step in sorted(set(alone) & set(beside)):
+    print(f"   {step:>5}: {alone[step]:>7,} | {beside[step]:>7,} | {beside[step] / alone[step]:.3f}")
+PY
+}
+
 regen_pass() {  # regen_pass NAME: regen.yml over no regenerated data, to its end or REGEN_BUDGET_S
     local log=$STATE/workspace/train_qwen3-8b.log
     rm -rf "$STATE/workspace/cache/regenerated"
@@ -416,8 +448,9 @@ for stage in "${@}"; do
         bench) stage_bench ;;
         lengths) stage_lengths ;;
         first-start) stage_first_start ;;
+        writes) stage_writes ;;
         all) stage_data; stage_train; stage_export ;;
-        *) echo "usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, first-start, all)" >&2; exit 2 ;;
+        *) echo "usage: scripts/gpu_recipe.sh STAGE... (data, train, export, compare, warm-compare, bench, lengths, first-start, writes, all)" >&2; exit 2 ;;
     esac
     say "== $stage done"
 done
