@@ -1136,6 +1136,10 @@ def paged_row(
         if answer_lengths:
             ordered = [answers[key] for key, _ in requests]
             print(f"    {ended_line(prompts[:count], ordered, answer_lengths, new_tokens)}", flush=True)
+            if device.type == "cpu" and attempt == 2:  # each answer against `generate` of its prompt alone
+                caps = [min(new_tokens, answer_lengths[tuple(prompt)]) for prompt in prompts[:count]]
+                equal = answers_checked(target, prompts[:count], ordered, caps, end_id)
+                print(f"    answers equal: {equal}/{count}", flush=True)
 
 
 if __name__ == "__main__":

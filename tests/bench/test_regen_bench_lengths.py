@@ -112,6 +112,20 @@ def test_the_paged_row_says_where_its_loop_went_and_profiles_the_iterations_aske
     assert len(loop) == 2 and all(float(ms) > 0 for _, ms in loop), out  # both passes
     assert re.search(r"^ +profiled iterations 2-4: [\d.]+ s; decode inputs", out, re.MULTILINE), out
     assert "aten::" in out, out  # the profiler's table
+    assert re.search(r"^ +answers equal: (\d+)/\1$", out, re.MULTILINE), out  # each against `generate`
+
+
+@pytest.mark.slow
+def test_the_paged_row_s_narrower_tail_steps_use_more_of_their_slot_steps_with_the_same_answers(tmp_path):
+    out = bench(tmp_path, "--rows", "paged", "--answer-lengths", "lognormal:6:40", "--slots", "8",
+                "--tail-slots", "4/2,none")  # fmt: skip
+    row = r"^paged S8 T(\S+) .* pass 2.*\n +(\d+) decode steps \((.*?)\).*?, (\d+)% of slot-steps"
+    rows = re.findall(row, out, re.MULTILINE)
+    by_tail = {tail: (int(steps), widths, int(share)) for tail, steps, widths, share in rows}
+    assert set(by_tail) == {"4/2", "none"}, out
+    assert by_tail["4/2"][0] == by_tail["none"][0], out  # the same decode steps
+    assert "of 2 slots" in by_tail["4/2"][1] and by_tail["4/2"][2] > by_tail["none"][2], out
+    assert len(re.findall(r"^ +answers equal: (\d+)/\1$", out, re.MULTILINE)) == 2, out
 
 
 @pytest.mark.parametrize("window", ["3", "a:2", "-1:2", "2:0"])
