@@ -712,3 +712,17 @@ def test_the_data_stage_gives_the_kept_engine_s_pool_back_before_training(tiny):
     release_data_stage_memory([torch.device("cpu")], Lines())
     gc.collect()
     assert pool() is None and not conversations._ENGINES
+
+
+def test_an_engine_run_again_reads_none_of_its_last_run_s_tables(tiny, prompts_and_answers):
+    """A kept engine (the next shards', the bench's second pass) starts its next run's decode rows
+    anew: in the last run slot 0 held the first sequence admitted, with as many pages as the next
+    run's first holds, but other pages; a row kept from it would read them."""
+    prompts = prompts_and_answers[0]
+    target = tiny[0]
+    paged = engine(target, slots=3, page_size=4, chunk=32)  # every prompt prefilled in one chunk
+    first = [p[:5] for p in prompts[2:5]]  # 2 pages each, then a third as their answers grow
+    paged.generate(list(enumerate(first)), 6, end_id=-1)
+    second = [prompts[6][:9], prompts[7][:5], prompts[8][:5]]  # the first takes pages 1-3 at once
+    answers = paged.generate(list(enumerate(second)), 6, end_id=-1)
+    assert [answers[i] for i in range(3)] == [greedy(target, p, end_id=-1, new_tokens=6) for p in second]

@@ -234,6 +234,10 @@ class PagedEngine:
             more=None) -> dict | None:  # fmt: skip
         s = self.settings
         scheduler = Scheduler(s.slots, s.pages, s.page_size, s.max_pages, s.chunk)
+        # Every row anew: a row is known by its sequence's admission, which a new run counts from 0
+        # again, so a row kept from the last run could pass for this one's and read its pages.
+        self.host_table.zero_()
+        self.table_rows = [None] * s.slots
 
         def add(new_requests: Iterable[Request]) -> int:
             added = 0
