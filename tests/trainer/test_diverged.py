@@ -72,6 +72,33 @@ def test_non_finite_training_stops_failed_keeping_the_last_finite_checkpoint(
     assert record["exit_reason"].startswith("diverged: ") and caught in record["exit_reason"]
 
 
+def test_a_divergence_while_the_last_checkpoint_is_still_being_written_names_it_once_written(
+    tmp_path, cache_dir, monkeypatch, capsys
+):
+    """The newest checkpoint the line names is the one in flight, waited for: step 2's write lasts
+    past step 4's non-finite loss here."""
+    import time
+
+    from trainer.run import checkpoint as ckpt
+
+    real = ckpt.save_checkpoint
+
+    def slow(directory, step, state):
+        time.sleep(3)
+        return real(directory, step, state)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", slow)
+    _poison_weights_after_step(monkeypatch, 3)
+    out = tmp_path / "out"
+    code = main(["--run", "eager", "--out", str(out), "--steps", "10", f"--set=data.cache_dir={cache_dir}",
+                 *FAST, "--set=train.log_every=1", "--set=train.checkpoint_every=2",
+                 "--set=train.checkpoint_writer=thread"])  # fmt: skip
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "the loss is nan at step 4" in errors[0], errors
+    assert "its newest checkpoint, step 2, is kept" in errors[0], errors
+    assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step_00000002.pt"
+
+
 def _tensors(value):
     if isinstance(value, torch.Tensor):
         yield value

@@ -791,7 +791,11 @@ class Run:
         return self.world.any(time.monotonic() - self.last_save >= t.checkpoint_every_s)
 
     def diverged(self, step: int, what: str) -> None:
-        """Stop the run: one line naming the step, the newest (finite) checkpoint and the way out."""
+        """Stop the run: one line naming the step, the newest (finite) checkpoint and the way out.
+        A write in the background is waited for first: the newest may be the one in flight."""
+        if self.world.is_lead:
+            with contextlib.suppress(Exception):  # the writer's own fault: close_checkpoints says it
+                self.report(self.writer.wait(), then="")
         saved = runrecord.checkpoints(self.out_dir)
         kept = f"its newest checkpoint, step {saved[-1][0]}, is kept" if saved else "it has no checkpoint"
         if not self.world.is_lead:
