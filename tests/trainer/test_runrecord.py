@@ -184,10 +184,12 @@ def test_launch_records_the_run_and_clears_a_killed_saves_leftovers(tmp_path: Pa
 
 @pytest.fixture
 def small_disk(tmp_path: Path):
+    """A disk of 3 MiB: room at the start for one checkpoint of the embedded default's run (1.38 MB,
+    with the margin the trainer asks for: 2.4 MB), and then for two, not three."""
     mount = tmp_path / "small"
     mount.mkdir()
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mount)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True
     )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
@@ -218,22 +220,22 @@ def test_full_disk_ends_with_one_line_and_no_partial_file(small_disk: Path, cach
         "--set",
         "train.checkpoint_every=2",
         "--steps",
-        "4",
+        "8",
     )
     assert result.returncode == 1, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
-    # Step 2's write (in the background) loses that checkpoint only, said once; training goes on,
-    # and the last step's, which the run's end waits for, ends the run.
-    lost = f"cannot save the checkpoint of step 2 in {out / 'checkpoints'}: No space left on device"
+    # Steps 2 and 4 fill the disk; step 6's write (in the background) loses that checkpoint only,
+    # said once; training goes on, and the last step's, which the run's end waits for, ends the run.
+    lost = f"cannot save the checkpoint of step 6 in {out / 'checkpoints'}: No space left on device"
     said = [line for line in (result.stdout + result.stderr).splitlines() if lost in line]
     assert len(said) == 1 and "training goes on, and the next checkpoint tries again" in said[0], said
     assert (
-        f"cannot save the checkpoint of step 4 in {out / 'checkpoints'}: No space left on device" in errors[0]
+        f"cannot save the checkpoint of step 8 in {out / 'checkpoints'}: No space left on device" in errors[0]
     )
-    assert "the last intact checkpoint is none" in errors[0]
-    leftovers = [p.name for p in (out / "checkpoints").iterdir()] if (out / "checkpoints").exists() else []
-    assert leftovers == [], "no partial checkpoint file"
+    assert f"the last intact checkpoint is {out / 'checkpoints' / 'step_00000004.pt'} (step 4)" in errors[0]
+    leftovers = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert leftovers == ["step_00000002.pt", "step_00000004.pt"], "no partial checkpoint file"
     assert all(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()), "whole rows"
 
 
