@@ -138,8 +138,8 @@ class PagedEngine:
         self.kv = PagedKV(target.config, settings.pages, settings.page_size, settings.max_pages,
                           parameter.device, parameter.dtype)  # fmt: skip
         self.graphed = settings.compile and parameter.device.type == "cuda"
-        # The decode step of each width in use (all the slots; the narrow one at a data set's tail),
-        # made when first needed; `width` is the one the next step runs.
+        # The decode step of each width in use (all the slots; the narrower ones at a data set's
+        # tail), made when first needed; `width` is the one the next step runs.
         self.attention_now = settings.attention
         self.widths: dict[int, DecodeStep] = {}
         self.width = settings.slots
