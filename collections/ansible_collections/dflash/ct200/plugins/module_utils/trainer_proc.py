@@ -29,7 +29,7 @@ from ansible_collections.dflash.ct200.plugins.module_utils.run_record import (
     write_record,
 )
 
-PROGRESS_RE = re.compile(r"^step \d+/\d+ ")
+PROGRESS_RE = re.compile(r"^step (\d+)/\d+ ")  # its group: the step
 # Lines of the log read for how the trainer ended: torchrun's failure report alone is some 40 lines,
 # and the trainer's own verdict (an `error: ...` line) comes before it.
 VERDICT_LINES = 400

@@ -136,7 +136,6 @@ STOP_START_RE = re.compile(r"^signal \S+.*: checkpointing and exiting")
 # its log line, and the end of its run record's exit reason.
 NOT_STARTED_LINE = "nothing to checkpoint yet (training had not started)"
 NOT_STARTED_REASON = ", before training began"
-STEP_RE = re.compile(r"^step (\d+)/\d+ ")
 STOPPED_AT_RE = re.compile(r"^stopped at step (\d+)\b")
 ERROR_LINE_RE = re.compile(r"^(error: |[A-Za-z_.]*(Error|Exception): )")
 REASON_CHARS = 400
@@ -160,24 +159,25 @@ def new_lines(path: str | None, offset: int) -> list[str]:
         return []
 
 
+def last_stop_lines(path: str | None) -> list[str]:
+    """The log's lines from its last `signal ...: checkpointing and exiting` on (within its last 50
+    lines), [] where there is none."""
+    lines = tail(path, 50)
+    starts = [i for i, line in enumerate(lines) if STOP_START_RE.search(line)]
+    return lines[starts[-1] :] if starts else []
+
+
 def stop_checkpoint_before(path: str | None) -> str | None:
     """The checkpoint line of a stop that began before our SIGTERM, or None. On several hosts the
     ranks stop together as soon as any host's torchrun is signalled, so this host may have logged
     `signal ...: checkpointing and exiting` and its checkpoint line just before its own signal."""
-    lines = tail(path, 50)
-    starts = [i for i, line in enumerate(lines) if STOP_START_RE.search(line)]
-    if not starts:
-        return None
-    return next((line for line in reversed(lines[starts[-1] :]) if CHECKPOINT_RE.search(line)), None)
+    return next((line for line in reversed(last_stop_lines(path)) if CHECKPOINT_RE.search(line)), None)
 
 
 def lines_of_the_stop(path: str | None, offset: int) -> list[str]:
     """The log's lines since the signal, and those of a stop that began just before it (another host's
     signal, see stop_checkpoint_before)."""
-    lines = tail(path, 50)
-    starts = [i for i, line in enumerate(lines) if STOP_START_RE.search(line)]
-    before = lines[starts[-1] :] if starts else []
-    return before + new_lines(path, offset)
+    return last_stop_lines(path) + new_lines(path, offset)
 
 
 def run_record_after(out: str | None, run_id: str | None) -> dict:
@@ -211,7 +211,7 @@ def without_checkpoint(log: str | None, offset: int, out: str | None, run_id: st
         return " (it had not started training)"
     step = next((int(m.group(1)) for line in reversed(said) if (m := STOPPED_AT_RE.match(line))), None)
     if step is None and (progress := last_matching(log, PROGRESS_RE)):
-        step = int(STEP_RE.match(progress).group(1))
+        step = int(PROGRESS_RE.match(progress).group(1))
     where = f"at step {step}" if step is not None else "before it logged a training step,"
     text = f": the trainer ended {where} without writing one ({end_recorded(record, said)})"
     if out is None:
