@@ -748,6 +748,11 @@ def parse_args() -> argparse.Namespace:
         help="paged: flex attention's SPLIT_KV on a GPU, 0 the kernel's own (a comma list: a row each)",
     )
     parser.add_argument(
+        "--prefill-compile", default="on",
+        help="paged, compiled: the prefill chunks' layers compiled (on, the product's) or eager (off) (a "
+        "comma list: a row each)",
+    )
+    parser.add_argument(
         "--paged-warm-up", type=int, default=0,
         help="paged: the first pass (which compiles the one decode shape) over the first N prompts only "
         "(0: all); the second pass runs them all",
@@ -784,6 +789,8 @@ def parse_args() -> argparse.Namespace:
     for scope in args.decode_scope.split(","):
         if scope not in known_scopes:
             parser.error(f"unknown --decode-scope {scope!r}; scopes are {', '.join(known_scopes)}")
+    if any(value not in ("on", "off") for value in args.prefill_compile.split(",")):
+        parser.error(f"--prefill-compile takes on, off or both (on,off), got {args.prefill_compile!r}")
     if "shards" in rows and not args.chat:
         parser.error("the shards row needs --chat: the chat file whose shards and turns it lays out")
     check_length_arguments(parser, args, rows)
@@ -967,11 +974,13 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
                 attentions = args.paged_attention.split(",")
                 tails = [tail_widths(tail) for tail in args.tail_slots.split(",")]
                 splits = [int(split) for split in args.split_kv.split(",")]
-                variants = itertools.product(scopes, attentions, chunks, tails, splits)
-                for scope, attention, chunk, tail, split in variants:
+                prefills = [compiled == "on" for compiled in args.prefill_compile.split(",")]
+                variants = itertools.product(scopes, attentions, chunks, tails, splits, prefills)
+                for scope, attention, chunk, tail, split, prefill in variants:
                     paged = dataclasses.replace(settings_for(batch_sizes[0], scope), attention=attention,
                                                 prefill_chunk=chunk, tail_slots=tail)  # fmt: skip
-                    paged_row(args, target, prompts, paged, device, source.end_id, answer_lengths, split)
+                    paged_row(args, target, prompts, paged, device, source.end_id, answer_lengths, split,
+                              prefill)  # fmt: skip
                     gc.collect()  # the row's pool and CUDA graph, before the next row's are taken
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -1072,7 +1081,7 @@ def loop_breakdown(spent, seconds: float) -> str:
 
 def paged_row(
     args, target, prompts, settings: RegenSettings, device, end_id: int, answer_lengths: dict | None = None,
-    split_kv: int = FLEX_SPLIT_KV,
+    split_kv: int = FLEX_SPLIT_KV, compile_prefill: bool = True,
 ) -> None:  # fmt: skip
     """The paged engine over every prompt at once, timed twice; then how each pass went. With
     answer_lengths each answer ends at its given length (the engine's answer_limit: its slot is
@@ -1082,8 +1091,10 @@ def paged_row(
     answer_limit = (lambda key: answer_lengths[tuple(prompts[key])]) if answer_lengths else None
     longest = max(map(len, prompts)) + settings.max_new_tokens - 1
     slot = slot_tokens(longest, settings.page_size, settings.batch_tokens // settings.page_size)
-    engine_settings = paged_settings(settings, slot, settings.compile and device.type == "cuda")
-    engine = PagedEngine(target, dataclasses.replace(engine_settings, split_kv=split_kv))
+    compiled = settings.compile and device.type == "cuda"
+    engine_settings = dataclasses.replace(paged_settings(settings, slot, compiled), split_kv=split_kv,
+                                          compile_prefill=compiled and compile_prefill)  # fmt: skip
+    engine = PagedEngine(target, engine_settings)
     new_tokens = settings.max_new_tokens
     limit = memory_bound_tokens_per_s(target, prompts, new_tokens, settings.slots, args.bandwidth_tbs)
     for attempt in (1, 2):  # the first pass compiles the decode step (its one shape)
@@ -1111,6 +1122,7 @@ def paged_row(
 
         tail = "/".join(map(str, sorted(engine_settings.tail_slots, reverse=True))) or "none"
         shape = f"S{settings.slots} T{tail} K{split_kv} P{settings.page_size} C{settings.prefill_chunk}"
+        shape += "c" if engine_settings.compile_prefill else ""  # the prefill chunks compiled
         scope = " layers" if engine.settings.compile_scope == "layers" and settings.compile else ""
         name = f"paged {shape} {engine.attention}{scope} pass {attempt}"
         timed(name, device, run, prompts[:count], limit, args.profile and attempt == 2)

@@ -371,8 +371,9 @@ class DataConfig:
     ...), so only a few shapes compile; a batch that is not full is filled up when compiled. With
     flex attention widths start at 128 at least (a shorter prefill has no flex kernel on CUDA)."""
     regen_compile: bool = True
-    """Static engine on CUDA: compile the decode step (trainer/data/decode.py), in every worker
-    process (one per device), over the compile cache under data.cache_dir (docs/DATA.md)."""
+    """On CUDA: compile the decode step (static engine: trainer/data/decode.py; paged engine: its
+    decode step and its prefill chunks' layers, trainer/data/engine/), in every worker process (one
+    per device), over the compile cache under data.cache_dir (docs/DATA.md)."""
     regen_compile_scope: str = "auto"
     """What regen_compile compiles: 'step', the target's whole forward and the argmax as one graph;
     'layers', one decoder layer that every layer calls (one layer traced and compiled, not each);

@@ -407,10 +407,10 @@ def test_a_prefill_chunk_reads_each_sequence_s_pages_up_to_its_last_token_only(
     widths = []
     plain = paged_step.paged_forward
 
-    def recorded(target, pages, tokens, positions, seen):
+    def recorded(target, pages, tokens, positions, seen, run_layer=paged_step.call_layer):
         if tokens.shape[1] > 1 or pages[0].table.shape[0] == 1:  # a prefill chunk: one packed row
             widths.append((pages[0].table.shape[1], seen.shape[-1]))
-        return plain(target, pages, tokens, positions, seen)
+        return plain(target, pages, tokens, positions, seen, run_layer)
 
     needed = []  # each chunk's pages: its sequences' up to the chunk's end
     next_chunk = Scheduler.next_chunk

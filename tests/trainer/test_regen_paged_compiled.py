@@ -31,9 +31,10 @@ def greedy(target, prompt: list[int], end_id: int) -> list[int]:
 
 
 def paged(target, compile: bool, attention: str = "gather", compile_scope: str = "step",
-          tail: tuple[int, ...] = ()) -> PagedEngine:  # fmt: skip
+          tail: tuple[int, ...] = (), compile_prefill: bool = False) -> PagedEngine:  # fmt: skip
     settings = PagedSettings(slots=3, page_size=4, pages=26, max_tokens=64, chunk=8, compile=compile,
-                             attention=attention, compile_scope=compile_scope, tail_slots=tail)  # fmt: skip
+                             attention=attention, compile_scope=compile_scope, tail_slots=tail,
+                             compile_prefill=compile_prefill)  # fmt: skip
     return PagedEngine(target, settings)
 
 
@@ -101,6 +102,26 @@ def test_flex_attention_compiled_with_its_block_mask_made_outside_the_step_gives
     assert sum(counters["graph_break"].values()) == breaks
 
 
+def test_the_compiled_prefill_serves_every_chunk_s_shape_and_gives_greedy_generate_s_answers(embedded):
+    """The prefill's layer compiled at dynamic shapes: chunks of 1 to 8 tokens over 1 to 16 pages
+    of keys, preemptions' recomputed prompts among them, in two graphs at most (a chunk of one
+    token is specialized), no graph break; the answers of greedy `generate`."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.set_num_threads(1)
+    target = load_target(embedded[0], "cpu", "float32")
+    prompts = prompts_of(embedded, ChatFormat(load_tokenizer(embedded[0])))
+    end_id, reference = end_token_and_answers(target, prompts)
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    engine = paged(target, compile=False, compile_prefill=True)
+    answers = engine.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+    assert [answers[i] for i in range(len(prompts))] == reference
+    assert engine.preemptions > 0 and engine.prefill_chunks > 10
+    assert 1 <= counters["stats"]["unique_graphs"] - graphs <= 2
+    assert sum(counters["graph_break"].values()) == breaks
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
 @pytest.mark.parametrize(
@@ -116,7 +137,8 @@ def test_the_decode_step_replayed_as_a_cuda_graph_gives_greedy_generate_s_answer
     end_id, reference = end_token_and_answers(target, prompts)
     pages = 26 * 4 // page_size + 1 if page_size < 64 else 4  # a pool that preempts
     settings = PagedSettings(slots=3, page_size=page_size, pages=pages, max_tokens=64, chunk=8, compile=True,
-                             attention=attention, compile_scope=scope, tail_slots=tail)  # fmt: skip
+                             attention=attention, compile_scope=scope, tail_slots=tail,
+                             compile_prefill=scope == "layers")  # fmt: skip
     engine = PagedEngine(target, settings)
     answers = engine.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
     assert engine.steps.graph is not None  # the steps after the first two replayed the graph

@@ -267,7 +267,7 @@ def paged_settings(settings, max_tokens: int, compiled: bool, pages: int | None 
     pages = pages if pages is not None else settings.batch_tokens // settings.page_size
     return PagedSettings(
         slots=settings.slots, page_size=settings.page_size, pages=pages,
-        max_tokens=max_tokens, chunk=settings.prefill_chunk, compile=compiled,
+        max_tokens=max_tokens, chunk=settings.prefill_chunk, compile=compiled, compile_prefill=compiled,
         attention=engine_attention(settings, compiled),
         gather_if_flex_fails=settings.attention == "auto",
         compile_scope="layers" if settings.compile_scope == "auto" else settings.compile_scope,

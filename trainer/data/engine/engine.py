@@ -24,6 +24,7 @@ from .step import (
     FLEX_SPLIT_KV,
     DecodeStep,
     call_layer,
+    call_prefill_layer,
     decode_step,
     flex_decode_step,
     greedy,
@@ -59,7 +60,10 @@ class PagedSettings:
     once no more sequences are left than one of them holds and none are to come, the steps run
     that many rows (a compiled shape and CUDA graph each); (): every step runs all the slots.
     split_kv: flex attention's split of each sequence's keys on a GPU (step.FLEX_SPLIT_KV; 0: the
-    kernel's own choice)."""
+    kernel's own choice). compile_prefill: a prefill chunk's decoder layers through one compiled
+    function at dynamic shapes (a chunk's tokens and keys vary from chunk to chunk), not replayed as
+    a CUDA graph: eager, a layer's norms, rotary embedding and activation are some 40 small kernels
+    over the chunk's tokens, compiled a few fused ones."""
 
     slots: int
     page_size: int
@@ -72,6 +76,7 @@ class PagedSettings:
     compile_scope: str = "layers"
     tail_slots: tuple[int, ...] = ()
     split_kv: int = FLEX_SPLIT_KV
+    compile_prefill: bool = False
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
@@ -109,6 +114,7 @@ class PagedSettings:
 
 _COMPILED_STEPS: dict = {}
 _COMPILED_LAYER: list = []  # call_layer compiled once a process, shared by every layers-scope step
+_COMPILED_PREFILL_LAYER: list = []
 
 
 def compiled_decode_step(attention: str, scope: str = "step"):
@@ -130,6 +136,14 @@ def compiled_decode_step(attention: str, scope: str = "step"):
     return _COMPILED_STEPS[attention, scope]
 
 
+def compiled_prefill_layer():
+    """call_prefill_layer compiled once a process, at dynamic shapes: one trace serves every chunk's
+    count of tokens and keys (a chunk of one token, whose sizes Dynamo specializes, a second)."""
+    if not _COMPILED_PREFILL_LAYER:
+        _COMPILED_PREFILL_LAYER.append(torch.compile(call_prefill_layer, dynamic=True))
+    return _COMPILED_PREFILL_LAYER[0]
+
+
 class PagedEngine:
     def __init__(self, target, settings: PagedSettings, notice: Callable[[str], None] | None = None):
         parameter = next(target.parameters())
@@ -148,7 +162,7 @@ class PagedEngine:
         # Where the loop's wall time goes, in seconds (a bench prints it): "decode inputs" (the
         # host building a step's inputs and launching it), "decode wait" (until its tokens are on
         # the host: the device's step, where the host waits for it), "decode outputs", "prefill"
-        # (a chunk, eager, its tokens read back) and "scheduling" (admit, grow, release, follow-ups).
+        # (a chunk, its tokens read back) and "scheduling" (admit, grow, release, follow-ups).
         self.seconds: Counter = Counter()
         # The decode table on the host, each slot's row written again only when its sequence
         # (admission) or its page count changes; table_rows says what each row holds.
@@ -352,7 +366,8 @@ class PagedEngine:
         positions_row, table_row = as_row(positions), as_row(table)
         seen = packed_visible(positions_row, as_row(owners), as_row(key_owners)[0], as_row(key_positions)[0])
         pages = layer_pages(self.kv, table_row, as_row(where))
-        hidden = paged_forward(self.target, pages, as_row(tokens), positions_row, seen)
+        run_layer = compiled_prefill_layer() if self.settings.compile_prefill else call_layer
+        hidden = paged_forward(self.target, pages, as_row(tokens), positions_row, seen, run_layer)
         following = greedy(self.target, hidden[0, ends]).tolist()
         self.prefill_chunks += 1
         done = []

@@ -4,7 +4,8 @@ final norm and LM head, called here one after the other, each layer handed its v
 own (sdpa or eager), so the arithmetic is the model's.
 
 Two shapes: a prefill chunk, up to `chunk` prompt tokens of one or more sequences packed in one
-row, each reading its own pages up to the chunk's last (eager, its shape varies), and the decode
+row, each reading its own pages up to the chunk's last (its shape varies: eager, or its layers
+compiled at dynamic shapes, call_prefill_layer), and the decode
 step, every slot x one token over max_pages pages a slot: one shape for a whole run, so it is
 compiled once and, on a GPU, replayed as a CUDA graph (DecodeStep)."""
 
@@ -58,6 +59,13 @@ def call_layer(layer, hidden, mask, positions, rotary, cache_name: str, layer_pa
     """One decoder layer over its pages (paged_forward's calls; compiled_layer's, compiled)."""
     return layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary,
                  **{cache_name: layer_pages})  # fmt: skip
+
+
+def call_prefill_layer(layer, hidden, mask, positions, rotary, cache_name: str, layer_pages):
+    """call_layer for a prefill chunk: a function of its own, so that its compiled form (at dynamic
+    shapes: a chunk's tokens and keys vary) keeps its traces apart from the decode step's layer,
+    compiled at its one static shape."""
+    return call_layer(layer, hidden, mask, positions, rotary, cache_name, layer_pages)
 
 
 def paged_forward(target, pages: list[LayerPages], tokens: torch.Tensor, positions: torch.Tensor,
