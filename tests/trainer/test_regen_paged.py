@@ -126,6 +126,38 @@ def test_a_flex_step_that_fails_is_said_once_and_the_engine_gathers_with_the_sam
         named.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
 
 
+def test_a_compiled_prefill_that_fails_is_said_once_and_the_chunks_run_eagerly_with_the_same_answers(
+    tiny, prompts_and_answers, monkeypatch
+):
+    """The compiled prefill's failure on its third chunk (after two chunks' keys were written by
+    it), as a shape Inductor cannot lower would fail: one line says so, that chunk and every later
+    one run eagerly, and every answer is still greedy generate's, across a second call too."""
+    from trainer.data.engine import engine as paged_engine
+
+    calls = []
+
+    def compiled_layer(*args):
+        calls.append(1)
+        if len(calls) > 2 * len(tiny[0].model.layers):
+            raise RuntimeError("InductorError: cannot lower this shape\n(the rest of a long report)")
+        return paged_step.call_layer(*args)
+
+    monkeypatch.setattr(paged_engine, "compiled_prefill_layer", lambda: compiled_layer)
+    prompts, end_id, reference = prompts_and_answers
+    notices = []
+    settings = PagedSettings(slots=3, page_size=4, pages=64, max_tokens=80, chunk=8, compile_prefill=True)
+    paged = PagedEngine(tiny[0], settings, notice=notices.append)
+    for _ in range(2):
+        answers = paged.generate(list(enumerate(prompts)), NEW_TOKENS, end_id)
+        assert [answers[i] for i in range(len(prompts))] == reference
+    assert paged.prefill_chunks > 3 and not paged.prefill_compiled
+    assert len(calls) == 2 * len(tiny[0].model.layers) + 1  # nothing compiled was tried after the failure
+    assert notices == [
+        "paged engine: the compiled prefill failed (RuntimeError: InductorError: cannot lower this shape); "
+        "the prefill chunks run eagerly from now on, more slowly"
+    ]
+
+
 @pytest.mark.parametrize("tail", [(), (2, 1)], ids=["every-slot", "narrower-tail"])
 def test_the_layout_bench_s_paged_engine_follows_the_engine_step_for_step(tiny, tail):
     """The layout bench's paged stream (token counts, no model) against the engine itself on the

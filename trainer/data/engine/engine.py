@@ -155,6 +155,7 @@ class PagedEngine:
         # The decode step of each width in use (all the slots; the narrower ones at a data set's
         # tail), made when first needed; `width` is the one the next step runs.
         self.attention_now = settings.attention
+        self.prefill_compiled = settings.compile_prefill  # False after a compiled chunk failed
         self.widths: dict[int, DecodeStep] = {}
         self.width = settings.slots
         self.iterations = self.decode_steps = self.prefill_chunks = self.preemptions = 0
@@ -337,6 +338,25 @@ class PagedEngine:
         self.seconds["decode outputs"] += time.perf_counter() - waited
         return ended
 
+    def prefill_forward(self, pages, tokens, positions, seen) -> torch.Tensor:
+        """A chunk's forward, its layers compiled (compile_prefill) or eager. A compiled chunk that
+        fails (its compile, at a shape Inductor cannot lower) is said once and runs again eagerly,
+        as does every later chunk: its keys are written again whole, the same positions."""
+        if not self.prefill_compiled:
+            return paged_forward(self.target, pages, tokens, positions, seen)
+        try:
+            return paged_forward(self.target, pages, tokens, positions, seen, compiled_prefill_layer())
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # any failure to compile: the eager chunk does the same work
+            first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+            self.notice(
+                f"paged engine: the compiled prefill failed ({type(exc).__name__}: {first_line}); the "
+                "prefill chunks run eagerly from now on, more slowly"
+            )
+            self.prefill_compiled = False
+            return paged_forward(self.target, pages, tokens, positions, seen)
+
     def prefill(self, scheduler: Scheduler, end_id: int) -> list[Sequence]:
         """One prefill chunk, when one is due (Scheduler.prefill_due): the chunks of every sequence in
         it packed in one row, each reading its own pages; a sequence whose prompt it ends gets its
@@ -366,8 +386,7 @@ class PagedEngine:
         positions_row, table_row = as_row(positions), as_row(table)
         seen = packed_visible(positions_row, as_row(owners), as_row(key_owners)[0], as_row(key_positions)[0])
         pages = layer_pages(self.kv, table_row, as_row(where))
-        run_layer = compiled_prefill_layer() if self.settings.compile_prefill else call_layer
-        hidden = paged_forward(self.target, pages, as_row(tokens), positions_row, seen, run_layer)
+        hidden = self.prefill_forward(pages, as_row(tokens), positions_row, seen)
         following = greedy(self.target, hidden[0, ends]).tolist()
         self.prefill_chunks += 1
         done = []
