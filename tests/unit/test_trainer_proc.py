@@ -91,3 +91,25 @@ def test_a_full_disk_or_an_unsaved_checkpoint_in_the_log_is_a_crash_not_bad_inpu
         "exit_status": 2,
         "exit_reason": f"diverged: {said}",
     }
+
+
+def test_every_error_line_the_trainer_ends_with_status_1_reads_as_a_crash_in_its_log() -> None:
+    """The lines as the trainer itself words them (a run record lost or unwritten leaves the log
+    alone to tell): a regeneration worker that failed, a worker out of GPU memory (the hint the
+    trainer prints after its traceback), a worker's traceback's head, the data stage's full disk."""
+    import torch
+
+    from trainer.data.chat import DiskFull
+    from trainer.data.regen_worker import RegenWorkerFailed
+    from trainer.parallel.topology import out_of_memory_hint
+
+    worker = RegenWorkerFailed("cuda:1", 4242, "RuntimeError: CUDA error", "/w/cache/regenerated/abc")
+    trace = "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory."
+    hint = out_of_memory_hint(torch.device("cuda:0"), trace, 8)
+    store = DiskFull("disk full writing the token store under /w/cache (No space left on device); ...")
+    for message in (str(worker), hint, str(store)):
+        verdict = trainer_proc.exit_from_log(["step 3/100 loss 1.0", f"error: {message}"])
+        assert verdict == {"exit_status": 1, "exit_reason": f"crashed: {message}"}
+    head = ["error: worker 0 failed; the run stopped. Its traceback:", "Traceback (most recent call last):"]
+    assert trainer_proc.exit_from_log(head)["exit_status"] == 1
+    assert trainer_proc.exit_from_log(["error: data.train_file is missing"])["exit_status"] == 2

@@ -182,6 +182,14 @@ def last_tau_in_log(log_path: str | None) -> dict | None:
 
 
 # torchrun's own report of a failed rank (process topology): "... failed (exitcode: 2) local_rank: 0 ...".
+# The trainer's `error:` lines that end it with exit status 1, not bad input (trainer/exits.py): a
+# full disk, a checkpoint it could not write (a stop's, the end's), a regeneration worker or a
+# training worker that failed, a GPU out of memory in the step. Its record may not say so where
+# no space was left for it. Every other `error:` line is bad input (status 2).
+CRASH_ERROR_RE = re.compile(
+    r"^error: (disk full |cannot save the checkpoint |the regeneration worker on |worker \d+ failed"
+    r"|\S+ ran out of memory in the training step)"
+)
 TORCHRUN_FAILED_RE = re.compile(r"\bfailed \(exitcode: (-?\d+)\) local_rank: \d+")
 
 
@@ -222,10 +230,7 @@ def _verdict(lines: list[str]) -> dict:
             return {"exit_status": 0, "exit_reason": "finished"}
         if line.startswith("stopped at step "):
             return {"exit_status": 0, "exit_reason": "stopped after a checkpoint"}
-        if line.startswith(("error: disk full ", "error: cannot save the checkpoint ")):
-            # trainer/cli.py's full disk, or a checkpoint the trainer could not write (a stop's, the
-            # end's): exit status 1, not bad input (its record may not say so where no space was
-            # reserved for it).
+        if CRASH_ERROR_RE.match(line):
             return {"exit_status": 1, "exit_reason": "crashed: " + line[len("error: ") :]}
         if line.startswith("error: diverged: "):
             return {"exit_status": 2, "exit_reason": line[len("error: ") :]}
