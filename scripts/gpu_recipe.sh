@@ -19,7 +19,10 @@
 #          product's, 1024); COMPARE_ROWS the bench's rows (default shards,static; shards alone skips
 #          the one-call row's compiles; paged: the product's default engine, every prompt at once);
 #          COMPARE_WARM_PASS=false skips the second regen.yml; COMPARE_SECOND_SET=true ends with a
-#          second set of as many other conversations through regen.yml over the warm cache; settings the regeneration is given in
+#          second set of as many other conversations through regen.yml over the warm cache;
+#          COMPARE_FIRST_EXCHANGE=true cuts every conversation to its first exchange (one turn: the
+#          bench's every-prompt-at-once is then the stage's own work, no turn waiting for the answer
+#          its prompt holds); settings the regeneration is given in
 #          EXTRA_SET (data.regen_*) go to the bench too, in COMPARE_BENCH_ARGS (e.g. --decode-scope
 #          layers).
 #   warm-compare: compare without its first pass, over the data stage's chat set and compile cache
@@ -402,8 +405,23 @@ stage_lengths() {  # regen_bench with the chat set's own answer lengths, at seve
         | grep -E "pass|== cap|prompts,|answer lengths|row-steps|answers|compile cache|width" | sed 's/^/   /'
 }
 
+first_exchanges() {  # first_exchanges FILE: each conversation cut to its first user turn and answer
+    [ "${COMPARE_FIRST_EXCHANGE:-false}" = true ] || return 0
+    python3 - "$1" <<'EOF'
+import json, os, sys
+path = sys.argv[1]
+lines = [json.loads(line) for line in open(path)]
+with open(path + ".part", "w") as out:
+    for row in lines:
+        out.write(json.dumps({**row, "messages": row["messages"][:2]}) + "\n")
+os.replace(path + ".part", path)
+print(f"   {path}: {len(lines)} conversations cut to their first exchange")
+EOF
+}
+
 stage_compare() {
     CONVERSATIONS=${COMPARE_CONVERSATIONS:-256} build_model
+    first_exchanges "$MODEL/chat.jsonl"
     regen_pass first
     # COMPARE_WARM_PASS=false: the bench straight after the first pass (its own first pass is then
     # the warm start of a fresh process over the product's cache), for a call that has no time for both
@@ -418,6 +436,7 @@ second_set() {  # other conversations of the same shape (another seed) through r
     python3 -c "import sys; from pathlib import Path; from trainer.data.embedded import TARGET_SHAPES, write_chat; \
 write_chat(Path(sys.argv[1]), int(sys.argv[2]), TARGET_SHAPES[sys.argv[3]]['vocab_size'], seed=1)" \
         "$chat" "${COMPARE_CONVERSATIONS:-256}" "$SHAPE"
+    first_exchanges "$chat"
     regen_pass second
     mv "$MODEL/chat.first.jsonl" "$chat"
 }
