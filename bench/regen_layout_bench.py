@@ -204,6 +204,10 @@ def main() -> int:
         "--paged", help="SLOTS:CHUNK[:TAIL/TAIL...],...: the paged engine's scheduler at these settings"
     )
     parser.add_argument(
+        "--pool-tokens", type=int, default=DataConfig.regen_batch_tokens,
+        help="--paged: the KV pool in tokens (data.regen_batch_tokens; default the product's)",
+    )  # fmt: skip
+    parser.add_argument(
         "--by-shard", action="store_true", help="--paged: also each shard alone, through an engine of its own"
     )
     parser.add_argument(
@@ -214,7 +218,9 @@ def main() -> int:
     d = DataConfig()
     settings_pairs = [pair for pair in (args.paged or "").split(",") if pair]
     paged = {paged_settings(pair): PagedLayout() for pair in settings_pairs}
-    pool_pages = d.regen_batch_tokens // d.regen_page_size
+    if args.pool_tokens < 2 * d.regen_page_size:
+        parser.error(f"--pool-tokens must hold two pages of {d.regen_page_size} tokens at least")
+    pool_pages = args.pool_tokens // d.regen_page_size
     paged_shards: list = []
     pairs = [tuple(map(int, pair.split(":"))) for pair in (args.batches or "").split(",") if pair]
     layouts = {
@@ -291,7 +297,7 @@ def main() -> int:
         narrower = f" ({'/'.join(map(str, tail))} at the tail)" if tail else ""
         print(
             f"{'':>8}paged engine {how}, {slots:>4} slots{narrower}, prefill chunks of {chunk:>5}, "
-            f"{d.regen_batch_tokens:,} tokens of pages: {layout.iterations:,} iterations, "
+            f"{pool_pages * d.regen_page_size:,} tokens of pages: {layout.iterations:,} iterations, "
             f"{layout.decode_steps:,} decode steps, "
             f"{layout.decoding / max(1, layout.slot_steps):.0%} of slot-steps used, "
             f"{layout.prefill_tokens:,} prefill tokens in {layout.prefill_chunks:,} chunks, "
