@@ -91,3 +91,28 @@ def test_the_layout_bench_with_answers_at_the_cap_sets_the_stream_beside_every_t
         r"(\d+)%"
     )
     assert re.findall(paged, out) == [("one stream", "14", "50"), ("every turn at once", "7", "100")], out
+
+
+@pytest.mark.slow
+def test_the_layout_bench_s_pool_size_decides_how_many_sequences_decode_side_by_side(tmp_path: Path) -> None:
+    from trainer.data.embedded import ensure_embedded
+
+    target, _ = ensure_embedded(tmp_path / "cache")  # its tokenizer
+    one_turn = [{"role": "user", "content": "one two"}, {"role": "assistant", "content": "x"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text((json.dumps({"messages": one_turn}) + "\n") * 2)
+    paged = r"one stream, +2 slots, .* ([0-9,]+) tokens of pages: .* iterations, (\d+) decode steps"
+    steps = {}
+    for pool in ("4096", "128"):  # pages of 64: 63 usable, or one (the other is scratch)
+        out = run(
+            "bench/regen_layout_bench.py", str(data), str(target), "--seq-len", "512", "--new-tokens", "8",
+            "--paged", "2:64", "--answers-at-cap", "--pool-tokens", pool,
+        )  # fmt: skip
+        steps[pool] = re.findall(paged, out)
+    # Side by side: 7 decode steps for both answers; one page: one sequence at a time, 7 + 7.
+    assert steps == {"4096": [("4,096", "7")], "128": [("128", "14")]}, steps
+    refused = subprocess.run(
+        [sys.executable, "bench/regen_layout_bench.py", str(data), str(target), "--pool-tokens", "64"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "--pool-tokens must hold two pages of 64 tokens" in refused.stderr
