@@ -727,7 +727,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--bandwidth-tbs", type=float, default=4.8, help="device memory bandwidth (H200: 4.8)"
     )
-    parser.add_argument("--slots", type=int, default=DataConfig.regen_slots, help="paged: data.regen_slots")
+    parser.add_argument(
+        "--slots", type=slot_specs, default=[(DataConfig.regen_slots, None)], metavar="SLOTS[:POOL],...",
+        help="paged: data.regen_slots, each with its pool in tokens (data.regen_batch_tokens; default "
+        "--batch-tokens) (a comma list: a row each)",
+    )  # fmt: skip
     parser.add_argument(
         "--page-size", type=int, default=DataConfig.regen_page_size, help="paged: data.regen_page_size"
     )
@@ -886,7 +890,7 @@ def main() -> int:
             return RegenSettings(
                 max_new_tokens=new_tokens, batch_size=batch_size, batch_tokens=args.batch_tokens,
                 min_width=args.min_width, compile=not args.no_compile, compile_scope=compile_scope,
-                compile_dynamic=dynamic == "dynamic", slots=args.slots, page_size=args.page_size,
+                compile_dynamic=dynamic == "dynamic", slots=args.slots[0][0], page_size=args.page_size,
                 prefill_chunk=int(args.prefill_chunk.split(",")[0]),
             )  # fmt: skip
 
@@ -975,10 +979,11 @@ def in_process_rows(args, rows, prompts, source: Source, device, settings_for, b
                 tails = [tail_widths(tail) for tail in args.tail_slots.split(",")]
                 splits = [int(split) for split in args.split_kv.split(",")]
                 prefills = [compiled == "on" for compiled in args.prefill_compile.split(",")]
-                variants = itertools.product(scopes, attentions, chunks, tails, splits, prefills)
-                for scope, attention, chunk, tail, split, prefill in variants:
+                variants = itertools.product(args.slots, scopes, attentions, chunks, tails, splits, prefills)
+                for (slots, pool), scope, attention, chunk, tail, split, prefill in variants:
                     paged = dataclasses.replace(settings_for(batch_sizes[0], scope), attention=attention,
-                                                prefill_chunk=chunk, tail_slots=tail)  # fmt: skip
+                                                prefill_chunk=chunk, tail_slots=tail, slots=slots,
+                                                batch_tokens=pool or args.batch_tokens)  # fmt: skip
                     paged_row(args, target, prompts, paged, device, source.end_id, answer_lengths, split,
                               prefill)  # fmt: skip
                     gc.collect()  # the row's pool and CUDA graph, before the next row's are taken
@@ -1068,6 +1073,21 @@ class PassProgress:
         self.iteration += 1
 
 
+def slot_specs(text: str) -> list[tuple[int, int | None]]:
+    """--slots' SLOTS[:POOL],... as (slots, pool tokens or None: --batch-tokens')."""
+    specs = []
+    for spec in text.split(","):
+        slots, colon, pool = spec.partition(":")
+        try:
+            specs.append((int(slots), int(pool) if colon else None))
+        except ValueError:
+            shape = "SLOTS or SLOTS:POOL_TOKENS (e.g. 384:393216)"
+            raise argparse.ArgumentTypeError(f"{spec!r} is not {shape}") from None
+        if specs[-1][0] < 1 or (specs[-1][1] is not None and specs[-1][1] < 1):
+            raise argparse.ArgumentTypeError(f"{spec!r}: slots and pool tokens must be at least 1")
+    return specs
+
+
 def tail_widths(text: str) -> tuple[int, ...]:
     """--tail-slots' WIDTH/WIDTH (or none) as widths."""
     return () if text in ("none", "") else tuple(int(width) for width in text.split("/"))
@@ -1121,7 +1141,8 @@ def paged_row(
             return [answers[key] for key, _ in requests]
 
         tail = "/".join(map(str, sorted(engine_settings.tail_slots, reverse=True))) or "none"
-        shape = f"S{settings.slots} T{tail} K{split_kv} P{settings.page_size} C{settings.prefill_chunk}"
+        pool = "" if settings.batch_tokens == args.batch_tokens else f"/{settings.batch_tokens}"
+        shape = f"S{settings.slots}{pool} T{tail} K{split_kv} P{settings.page_size} C{settings.prefill_chunk}"
         shape += "c" if engine_settings.compile_prefill else ""  # the prefill chunks compiled
         scope = " layers" if engine.settings.compile_scope == "layers" and settings.compile else ""
         name = f"paged {shape} {engine.attention}{scope} pass {attempt}"

@@ -128,6 +128,29 @@ def test_the_paged_row_s_narrower_tail_steps_use_more_of_their_slot_steps_with_t
     assert len(re.findall(r"^ +answers equal: (\d+)/\1$", out, re.MULTILINE)) == 2, out
 
 
+@pytest.mark.slow
+def test_the_paged_row_runs_each_slot_count_with_its_own_pool_side_by_side_with_the_same_answers(tmp_path):
+    """--slots 4,8:POOL: a row each; a pool of 3 usable pages of 64 holds at most 3 sequences of up
+    to 64 tokens, so 8 slots in it decode no more rows at once than 4 would (more steps than 8 slots
+    in the default pool), every answer equal `generate`'s either way."""
+    out = bench(tmp_path, "--rows", "paged", "--answer-lengths", "lognormal:6:40", "--slots", "4,8:256,8",
+                "--tail-slots", "none")  # fmt: skip
+    row = r"^paged S(\S+) T.* pass 2 .*\n +(\d+) decode steps"
+    steps = {name: int(count) for name, count in re.findall(row, out, re.MULTILINE)}
+    assert set(steps) == {"4", "8/256", "8"}, out
+    assert steps["8/256"] > steps["8"] and steps["4"] > steps["8"], out
+    assert len(re.findall(r"^ +answers equal: (\d+)/\1$", out, re.MULTILINE)) == 3, out
+
+
+@pytest.mark.parametrize("slots", ["x", "8:", "8:y", "0", "8:0"])
+def test_bad_slots_are_refused_naming_the_form(slots) -> None:
+    result = subprocess.run(
+        [sys.executable, "bench/regen_bench.py", "--slots", slots, "--rows", "paged"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "--slots" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("window", ["3", "a:2", "-1:2", "2:0"])
 def test_a_bad_profile_window_is_refused_naming_the_form(window) -> None:
     result = subprocess.run(
