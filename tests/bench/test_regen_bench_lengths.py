@@ -34,6 +34,14 @@ def bench(tmp_path: Path, *args: str) -> str:
     return result.stdout
 
 
+def refused(*args: str) -> str:
+    """The bench refusing these arguments before it loads anything: exit status 2; its stderr."""
+    result = subprocess.run([sys.executable, "bench/regen_bench.py", *args], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    return result.stderr
+
+
 def expected_row_steps_share(lengths: list[int]) -> float:
     """Answer tokens over rows x steps: each batch of the engine (its layout at the bench's settings,
     24-token median prompts, 64-token widths) decodes until every row has said its end token, which it
@@ -76,20 +84,13 @@ def test_answers_end_at_their_lengths_and_row_steps_used_is_what_they_imply(tmp_
 
 
 def test_file_lengths_without_a_chat_file_are_refused_naming_the_way_out() -> None:
-    result = subprocess.run(
-        [sys.executable, "bench/regen_bench.py", "--answer-lengths", "file", "--rows", "static"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 2 and "--answer-lengths file needs --chat and --target" in result.stderr
+    stderr = refused("--answer-lengths", "file", "--rows", "static")
+    assert "--answer-lengths file needs --chat and --target" in stderr
 
 
 @pytest.mark.parametrize("spec", ["lognormal:6", "lognormal:50:10", "fixed:0", "uniform:5", "lognormal:a:b"])
 def test_bad_answer_lengths_are_refused_naming_the_forms(spec) -> None:
-    result = subprocess.run(
-        [sys.executable, "bench/regen_bench.py", "--answer-lengths", spec, "--rows", "static"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 2 and "file, lognormal:MEDIAN:CAP or fixed:N" in result.stderr, result.stderr
+    assert "file, lognormal:MEDIAN:CAP or fixed:N" in refused("--answer-lengths", spec, "--rows", "static")
 
 
 @pytest.mark.slow
@@ -144,17 +145,9 @@ def test_the_paged_row_runs_each_slot_count_with_its_own_pool_side_by_side_with_
 
 @pytest.mark.parametrize("slots", ["x", "8:", "8:y", "0", "8:0"])
 def test_bad_slots_are_refused_naming_the_form(slots) -> None:
-    result = subprocess.run(
-        [sys.executable, "bench/regen_bench.py", "--slots", slots, "--rows", "paged"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 2 and "--slots" in result.stderr, result.stderr
+    assert "argument --slots: " in refused("--slots", slots, "--rows", "paged")
 
 
 @pytest.mark.parametrize("window", ["3", "a:2", "-1:2", "2:0"])
 def test_a_bad_profile_window_is_refused_naming_the_form(window) -> None:
-    result = subprocess.run(
-        [sys.executable, "bench/regen_bench.py", "--profile-iterations", window, "--rows", "paged"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 2 and "FIRST:COUNT" in result.stderr, result.stderr
+    assert "FIRST:COUNT" in refused("--profile-iterations", window, "--rows", "paged")

@@ -114,7 +114,6 @@ class PagedSettings:
 
 _COMPILED_STEPS: dict = {}
 _COMPILED_LAYER: list = []  # call_layer compiled once a process, shared by every layers-scope step
-_COMPILED_PREFILL_LAYER: list = []
 
 
 def compiled_decode_step(attention: str, scope: str = "step"):
@@ -136,12 +135,16 @@ def compiled_decode_step(attention: str, scope: str = "step"):
     return _COMPILED_STEPS[attention, scope]
 
 
+@functools.cache
 def compiled_prefill_layer():
     """call_prefill_layer compiled once a process, at dynamic shapes: one trace serves every chunk's
     count of tokens and keys (a chunk of one token, whose sizes Dynamo specializes, a second)."""
-    if not _COMPILED_PREFILL_LAYER:
-        _COMPILED_PREFILL_LAYER.append(torch.compile(call_prefill_layer, dynamic=True))
-    return _COMPILED_PREFILL_LAYER[0]
+    return torch.compile(call_prefill_layer, dynamic=True)
+
+
+def first_line(exc: Exception) -> str:
+    """`Type: the first line of its message` (cut at 200 characters), for a one-line notice."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
 
 
 class PagedEngine:
@@ -204,9 +207,8 @@ class PagedEngine:
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # any failure to compile or record: the gathered step does the same work
-            first_line = (str(exc).strip().splitlines() or [""])[0][:200]
             self.notice(
-                f"paged engine: flex attention's decode step failed ({type(exc).__name__}: {first_line}); "
+                f"paged engine: flex attention's decode step failed ({first_line(exc)}); "
                 "the decode steps read gathered pages instead, more slowly (data.regen_attention=sdpa "
                 "skips this attempt)"
             )
@@ -349,9 +351,8 @@ class PagedEngine:
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # any failure to compile: the eager chunk does the same work
-            first_line = (str(exc).strip().splitlines() or [""])[0][:200]
             self.notice(
-                f"paged engine: the compiled prefill failed ({type(exc).__name__}: {first_line}); the "
+                f"paged engine: the compiled prefill failed ({first_line(exc)}); the "
                 "prefill chunks run eagerly from now on, more slowly"
             )
             self.prefill_compiled = False

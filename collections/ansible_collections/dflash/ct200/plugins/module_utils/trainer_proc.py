@@ -181,7 +181,6 @@ def last_tau_in_log(log_path: str | None) -> dict | None:
     return None
 
 
-# torchrun's own report of a failed rank (process topology): "... failed (exitcode: 2) local_rank: 0 ...".
 # The trainer's `error:` lines that end it with exit status 1, not bad input (trainer/exits.py): a
 # full disk, a checkpoint it could not write (a stop's, the end's), a regeneration worker or a
 # training worker that failed, a GPU out of memory in the step. Its record may not say so where
@@ -190,6 +189,7 @@ CRASH_ERROR_RE = re.compile(
     r"^error: (disk full |cannot save the checkpoint |the regeneration worker on |worker \d+ failed"
     r"|\S+ ran out of memory in the training step)"
 )
+# torchrun's own report of a failed rank (process topology): "... failed (exitcode: 2) local_rank: 0 ...".
 TORCHRUN_FAILED_RE = re.compile(r"\bfailed \(exitcode: (-?\d+)\) local_rank: \d+")
 
 
