@@ -508,10 +508,11 @@ def chat_data(tmp_path_factory, embedded) -> pathlib.Path:
     return path
 
 
-def stage(root: pathlib.Path, data, tiny, engine_name: str) -> Regeneration:
+def stage(root: pathlib.Path, data, tiny, engine_name: str, tail_slots: tuple[int, ...] = ()) -> Regeneration:
     chat = tiny[1]
     settings = RegenSettings(max_new_tokens=12, engine=engine_name, shard_size=4, batch_size=3, min_width=8,
-                             slots=3, page_size=4, batch_tokens=160, prefill_chunk=16)  # fmt: skip
+                             slots=3, page_size=4, batch_tokens=160, prefill_chunk=16,
+                             tail_slots=tail_slots)  # fmt: skip
     regen = Regeneration(DataIndex.build(data), settings, root, "key", chat, chat.end_id, None)
     regen.prepare()
     return regen
@@ -531,7 +532,8 @@ def static_shards(tmp_path_factory, chat_data, tiny) -> dict[str, bytes]:
 def test_a_paged_stage_writes_the_static_stage_s_shards_byte_for_byte(
     tmp_path, chat_data, tiny, static_shards
 ):
-    regen = stage(tmp_path, chat_data, tiny, "paged")
+    # The data set's tail decoded one row at a time: the same bytes, its steps one slot-step each.
+    regen = stage(tmp_path, chat_data, tiny, "paged", tail_slots=(1,))
     progress = Progress(len(regen.index))
     assert run_workers(regen, [tiny[0]], progress, lambda: False, lambda: None, 60.0)
     assert shard_bytes(regen) == static_shards and len(static_shards) == 6  # 3 shards, 3 seals
@@ -539,12 +541,13 @@ def test_a_paged_stage_writes_the_static_stage_s_shards_byte_for_byte(
     answers = [content for e in regen.examples() for role, content in e.turns if role == "assistant"]
     cut = sum(len(answer) >= 12 for answer in answers)  # max_new_tokens: the cap decided their end
     assert (progress.answers, progress.cut) == (len(answers), cut)  # the data line says how many hit the cap
-    # every decode step is counted once, of the engine's 3 slots: at least one answer token a step
-    # and at most one a slot, the first token of each answer coming from its prefill
-    slot_steps = 3 * progress.decode_steps
-    assert progress.decode_steps <= progress.tokens - len(answers) <= slot_steps
-    line = slot_steps_text(progress.snapshot(), regen.settings)
-    used = (progress.tokens - len(answers)) / slot_steps
+    # every decode step is counted once, each of its width's slot-steps (3, or 1 at the tail): at
+    # least one answer token a step and at most one a slot-step, the first token of each answer
+    # coming from its prefill
+    assert progress.decode_steps < progress.slot_steps < 3 * progress.decode_steps  # the tail ran narrower
+    assert progress.decode_steps <= progress.tokens - len(answers) <= progress.slot_steps
+    line = slot_steps_text(progress.snapshot())
+    used = (progress.tokens - len(answers)) / progress.slot_steps
     assert line == (
         f", {progress.decode_steps:,} decode steps, {used:.0%} of "
         "their slot-steps decoding an answer token"

@@ -75,6 +75,10 @@ def test_a_sigkill_half_way_then_a_rerun_equals_an_uninterrupted_regeneration(tm
     assert re.search(used, whole.stdout), whole.stdout
     stage = json.loads((tmp_path / "r1" / "run.json").read_text())["regen"]
     assert 0 < stage["decode_steps"] <= stage["tokens"] - stage["answers"], stage  # a token a step at least
+    # at most a token a slot-step, the slot-steps as the line counts them
+    assert stage["decode_steps"] <= stage["tokens"] - stage["answers"] <= stage["slot_steps"], stage
+    share = (stage["tokens"] - stage["answers"]) / stage["slot_steps"]
+    assert f"{share:.0%} of their slot-steps decoding" in whole.stdout, whole.stdout
 
     args = regen_args(embedded, small_data, tmp_path / "c2", tmp_path / "resumed.jsonl", tmp_path / "r2")
     log = tmp_path / "killed.log"

@@ -584,7 +584,8 @@ class Progress:
     (this process's share of the data set), `done_before` were done by an earlier start; the rate
     and the time left count this start's work only. `answers` counts the answers generated, `cut`
     those that reached the cap (data.regen_max_new_tokens) before their end token; the paged engine
-    adds its decode steps (each of data.regen_slots slots) as each of its engines ends."""
+    adds its decode steps and their slot-steps (each step's width: data.regen_slots, or a narrower
+    one at the data set's tail) as each of its engines ends."""
 
     total: int
     done_before: int = 0
@@ -593,17 +594,19 @@ class Progress:
     answers: int = 0
     cut: int = 0
     decode_steps: int = 0
+    slot_steps: int = 0
     started: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, conversations: int, tokens: int, answers: int = 0, cut: int = 0,
-            decode_steps: int = 0) -> None:  # fmt: skip
+            decode_steps: int = 0, slot_steps: int = 0) -> None:  # fmt: skip
         with self.lock:
             self.done += conversations
             self.tokens += tokens
             self.answers += answers
             self.cut += cut
             self.decode_steps += decode_steps
+            self.slot_steps += slot_steps
 
     def snapshot(self) -> dict:
         with self.lock:
@@ -613,7 +616,7 @@ class Progress:
             return {
                 "kind": "regen", "conversations": self.done_before + self.done, "total": self.total,
                 "tokens": self.tokens, "answers": self.answers, "answers_cut": self.cut,
-                "decode_steps": self.decode_steps,
+                "decode_steps": self.decode_steps, "slot_steps": self.slot_steps,
                 "tokens_per_s": self.tokens / elapsed, "elapsed_s": elapsed, "eta_s": eta,
             }  # fmt: skip
 

@@ -103,8 +103,8 @@ class SentProgress:
         self.send = send
 
     def add(self, conversations: int, tokens: int, answers: int = 0, cut: int = 0,
-            decode_steps: int = 0) -> None:  # fmt: skip
-        self.send({"progress": [conversations, tokens, answers, cut, decode_steps]})
+            decode_steps: int = 0, slot_steps: int = 0) -> None:  # fmt: skip
+        self.send({"progress": [conversations, tokens, answers, cut, decode_steps, slot_steps]})
 
 
 # ---- the parent ----

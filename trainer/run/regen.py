@@ -314,7 +314,7 @@ def stage_ended(regeneration: Regeneration, progress: Progress, out, out_dir, wo
     end_text = (
         f"regenerated {fresh:,} conversations, {row['tokens']:,} tokens in "
         f"{row['elapsed_s']:.1f}s ({row['tokens_per_s']:,.0f} tok/s), "
-        f"{cut_text(row, regeneration.settings)}{slot_steps_text(row, regeneration.settings)}, "
+        f"{cut_text(row, regeneration.settings)}{slot_steps_text(row)}, "
         f"cached at {regeneration.directory}"
     )
     out.line(f"data: {end_text}")
@@ -332,14 +332,15 @@ def cut_text(row: dict, settings: RegenSettings) -> str:
     )
 
 
-def slot_steps_text(row: dict, settings: RegenSettings) -> str:
+def slot_steps_text(row: dict) -> str:
     """The paged engine's use of its slots: a share well under 90 % on a large set says the slots
     idle (answers waiting on their conversation's previous turn, a pool too small for the slots)."""
     if not row.get("decode_steps"):
         return ""
     decoded = row["tokens"] - row["answers"]  # each answer's first token comes from its prefill
+    # A step's slot-steps are its width: data.regen_slots, or a narrower tail step's (as the bench counts).
     return (
-        f", {row['decode_steps']:,} decode steps, {decoded / (row['decode_steps'] * settings.slots):.0%} of "
+        f", {row['decode_steps']:,} decode steps, {decoded / row['slot_steps']:.0%} of "
         "their slot-steps decoding an answer token"
     )
 
@@ -357,7 +358,7 @@ def note_stage(out_dir: Path | None, world, stage: str, row: dict) -> None:
     """The stage and its progress in the run record, for status (one process per host writes it)."""
     if out_dir is None or world.local_rank != 0:
         return
-    keys = ("conversations", "total", "tokens", "answers", "answers_cut", "decode_steps", "tokens_per_s",
-            "eta_s")  # fmt: skip
+    keys = ("conversations", "total", "tokens", "answers", "answers_cut", "decode_steps", "slot_steps",
+            "tokens_per_s", "eta_s")  # fmt: skip
     regen = {k: row[k] for k in keys}
     runrecord.note(out_dir, stage=stage, regen=regen)

@@ -182,7 +182,7 @@ def paged_shards(regeneration, ranges: Iterable[tuple[int, int]], target, progre
                                       more=more)  # fmt: skip
         if answers is None:
             return False
-        progress.add(0, 0, decode_steps=engine.decode_steps)
+        progress.add(0, 0, decode_steps=engine.decode_steps, slot_steps=engine.slot_steps)
     return True
 
 
