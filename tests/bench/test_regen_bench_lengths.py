@@ -4,6 +4,8 @@ row-steps used is what the lengths and the static engine's batches imply."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import re
 import subprocess
@@ -15,6 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench import regen_bench  # noqa: E402
 from bench.regen_bench import drawn_answer_lengths, make_prompts  # noqa: E402
 from bench.trainer_bench import SHAPES  # noqa: E402
 from trainer.data.decode import STOP_CHECK_EVERY  # noqa: E402
@@ -35,11 +38,15 @@ def bench(tmp_path: Path, *args: str) -> str:
 
 
 def refused(*args: str) -> str:
-    """The bench refusing these arguments before it loads anything: exit status 2; its stderr."""
-    result = subprocess.run([sys.executable, "bench/regen_bench.py", *args], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
-    assert result.returncode == 2, result.stdout + result.stderr
-    return result.stderr
+    """The bench refusing these arguments as it reads them, before it loads anything: exit status 2;
+    its stderr. Its own argument reading, in this process (a fresh one costs seconds of imports)."""
+    stderr = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(stderr):
+        patch.setattr(sys, "argv", ["bench/regen_bench.py", *args])
+        with pytest.raises(SystemExit) as exited:
+            regen_bench.parse_args()
+    assert exited.value.code == 2, stderr.getvalue()
+    return stderr.getvalue()
 
 
 def expected_row_steps_share(lengths: list[int]) -> float:
@@ -83,11 +90,13 @@ def test_answers_end_at_their_lengths_and_row_steps_used_is_what_they_imply(tmp_
         assert float(used[1]) < 100.0
 
 
+@pytest.mark.unit
 def test_file_lengths_without_a_chat_file_are_refused_naming_the_way_out() -> None:
     stderr = refused("--answer-lengths", "file", "--rows", "static")
     assert "--answer-lengths file needs --chat and --target" in stderr
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("spec", ["lognormal:6", "lognormal:50:10", "fixed:0", "uniform:5", "lognormal:a:b"])
 def test_bad_answer_lengths_are_refused_naming_the_forms(spec) -> None:
     assert "file, lognormal:MEDIAN:CAP or fixed:N" in refused("--answer-lengths", spec, "--rows", "static")
@@ -143,11 +152,13 @@ def test_the_paged_row_runs_each_slot_count_with_its_own_pool_side_by_side_with_
     assert len(re.findall(r"^ +answers equal: (\d+)/\1$", out, re.MULTILINE)) == 3, out
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("slots", ["x", "8:", "8:y", "0", "8:0"])
 def test_bad_slots_are_refused_naming_the_form(slots) -> None:
     assert "argument --slots: " in refused("--slots", slots, "--rows", "paged")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("window", ["3", "a:2", "-1:2", "2:0"])
 def test_a_bad_profile_window_is_refused_naming_the_form(window) -> None:
     assert "FIRST:COUNT" in refused("--profile-iterations", window, "--rows", "paged")
