@@ -24,6 +24,15 @@ init_plugin_loader([str(COLLECTIONS)])
 def pytest_collection_modifyitems(items: list) -> None:
     """The real-host tests (tests/proxmox: one file, one test node, about six minutes in file order)
     first: under pytest-xdist (`--dist loadfile`, ./dev.sh test) that file is the longest piece one
-    worker takes, and started first it ends while the other workers still share out the rest."""
-    real_host = Path(__file__).resolve().parent / "proxmox"
-    items.sort(key=lambda item: real_host not in item.path.resolve().parents)
+    worker takes, and started first it ends while the other workers still share out the rest. The
+    benches' tests (tests/bench: files of at most about a minute) last, where they fill the end of
+    each worker's share instead of a long trainer or playbook file starting late (laid out on the
+    durations of a CI run: the lane's end about 80 s sooner; docs/TESTING.md)."""
+    here = Path(__file__).resolve().parent
+    real_host, benches = here / "proxmox", here / "bench"
+
+    def place(item) -> tuple[bool, bool]:
+        parents = item.path.resolve().parents
+        return real_host not in parents, benches in parents
+
+    items.sort(key=place)
