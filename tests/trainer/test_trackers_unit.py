@@ -385,3 +385,59 @@ def test_mlflow_s_default_store_is_a_database_in_the_output_and_a_legacy_file_st
     assert tracker.store_uri() == str(tmp_path / "mlruns")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     assert tracker.store_uri() == "http://127.0.0.1:5000"
+
+
+class RacingOnce:
+    """A tracker whose first starts fail as CPython 3.11 does when two threads parse source at once."""
+
+    name = "wandb"
+    failures = 1
+
+    def __init__(self, out_dir, run_name):
+        self.starts = 0
+
+    def start(self, state, config):
+        self.starts += 1
+        if self.starts <= RacingOnce.failures:
+            raise SystemError("AST constructor recursion depth mismatch (before=210, after=316)")
+        return {"run_id": "r1"}
+
+    def metric(self, row):
+        pass
+
+    def end(self, outcome):
+        pass
+
+
+@pytest.mark.parametrize(("failures", "started"), [(1, True), (2, False)])
+def test_a_start_failing_on_python_s_ast_race_is_tried_once_more(tmp_path, monkeypatch, failures, started):
+    monkeypatch.setitem(trackers_module.TRACKER_CLASSES, "wandb", RacingOnce)
+    monkeypatch.setattr(RacingOnce, "failures", failures)
+    lines: list[str] = []
+    trackers = Trackers(["wandb"], tmp_path, {"run": {"name": "eager"}}, lines.append)
+    trackers.close("finished")
+    assert trackers.workers[0].tracker.starts == 2
+    if started:
+        assert lines == [] and json.loads((tmp_path / "trackers.json").read_text())["wandb"]["run_id"] == "r1"
+    else:
+        assert lines == [
+            "tracker wandb: cannot start (SystemError: AST constructor recursion depth mismatch (before=210, "
+            "after=316)); the run goes on without it"
+        ]
+
+
+def test_another_system_error_at_the_start_is_not_tried_again(tmp_path, monkeypatch):
+    class Broken(RacingOnce):
+        def start(self, state, config):
+            self.starts += 1
+            raise SystemError("error return without exception set")
+
+    monkeypatch.setitem(trackers_module.TRACKER_CLASSES, "wandb", Broken)
+    lines: list[str] = []
+    trackers = Trackers(["wandb"], tmp_path, {"run": {"name": "eager"}}, lines.append)
+    trackers.close("finished")
+    assert trackers.workers[0].tracker.starts == 1
+    assert lines == [
+        "tracker wandb: cannot start (SystemError: error return without exception set); the run goes on "
+        "without it"
+    ]

@@ -367,6 +367,11 @@ class Trackers:
                 self.unwritable = True
 
 
+def ast_race(exc: SystemError) -> bool:
+    """CPython's spurious failure of an ast parse made on two threads at once (gh-106905)."""
+    return "AST constructor recursion depth mismatch" in str(exc)
+
+
 class TrackerWorker:
     """One tracker's thread: its start, then the rows and events in order, then its end."""
 
@@ -411,9 +416,18 @@ class TrackerWorker:
 
     def start(self) -> bool:
         name = self.tracker.name
+        sent = self.state.get("events_sent", 0)
         try:
-            sent = self.state.get("events_sent", 0)
-            self.state = {**self.tracker.start(self.state, self.config), "events_sent": sent}
+            try:
+                started = self.tracker.start(self.state, self.config)
+            except SystemError as exc:
+                if not ast_race(exc):
+                    raise
+                # CPython 3.11 (gh-106905): the ast module's depth counter is shared by threads, so
+                # an import that parses source beside another thread's (the target's load) can fail
+                # though nothing is wrong. Rare: once more.
+                started = self.tracker.start(self.state, self.config)
+            self.state = {**started, "events_sent": sent}
         except ImportError as exc:
             self.dead = True
             missing = str(exc) if isinstance(exc, MissingPackage) else f"the {name} package is missing"
