@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...model.compile_cache import first_line
 from ...model.target import attention_of
 from .kv_pages import PagedKV, pages_for
 from .scheduler import Scheduler, Sequence
@@ -142,9 +143,9 @@ def compiled_prefill_layer():
     return torch.compile(call_prefill_layer, dynamic=True)
 
 
-def first_line(exc: Exception) -> str:
-    """`Type: the first line of its message` (cut at 200 characters), for a one-line notice."""
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+def failure_text(exc: Exception) -> str:
+    """`Type: the first line of its message`, for a one-line notice."""
+    return f"{type(exc).__name__}: {first_line(exc, 200)}"
 
 
 class PagedEngine:
@@ -208,7 +209,7 @@ class PagedEngine:
             raise
         except Exception as exc:  # any failure to compile or record: the gathered step does the same work
             self.notice(
-                f"paged engine: flex attention's decode step failed ({first_line(exc)}); "
+                f"paged engine: flex attention's decode step failed ({failure_text(exc)}); "
                 "the decode steps read gathered pages instead, more slowly (data.regen_attention=sdpa "
                 "skips this attempt)"
             )
@@ -352,7 +353,7 @@ class PagedEngine:
             raise
         except Exception as exc:  # any failure to compile: the eager chunk does the same work
             self.notice(
-                f"paged engine: the compiled prefill failed ({first_line(exc)}); the "
+                f"paged engine: the compiled prefill failed ({failure_text(exc)}); the "
                 "prefill chunks run eagerly from now on, more slowly"
             )
             self.prefill_compiled = False
