@@ -3,9 +3,11 @@ step, a bounded end), with stand-in trackers instead of MLflow and wandb."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
+import sys
 import threading
 import time
 import typing
@@ -387,11 +389,18 @@ def test_mlflow_s_default_store_is_a_database_in_the_output_and_a_legacy_file_st
     assert tracker.store_uri() == "http://127.0.0.1:5000"
 
 
+AST_RACE = SystemError("AST constructor recursion depth mismatch (before=210, after=316)")
+LOCK_CYCLE = AttributeError(
+    "partially initialized module 'wandb' has no attribute 'errors' (most likely due to a circular import)"
+)
+
+
 class RacingOnce:
-    """A tracker whose first starts fail as CPython 3.11 does when two threads parse source at once."""
+    """A tracker whose first starts fail as CPython does when another thread imports at the same time."""
 
     name = "wandb"
     failures = 1
+    error: Exception = AST_RACE
 
     def __init__(self, out_dir, run_name):
         self.starts = 0
@@ -399,7 +408,7 @@ class RacingOnce:
     def start(self, state, config):
         self.starts += 1
         if self.starts <= RacingOnce.failures:
-            raise SystemError("AST constructor recursion depth mismatch (before=210, after=316)")
+            raise RacingOnce.error
         return {"run_id": "r1"}
 
     def metric(self, row):
@@ -409,10 +418,14 @@ class RacingOnce:
         pass
 
 
+@pytest.mark.parametrize("error", [AST_RACE, LOCK_CYCLE], ids=["ast-parse", "import-lock-cycle"])
 @pytest.mark.parametrize(("failures", "started"), [(1, True), (2, False)])
-def test_a_start_failing_on_python_s_ast_race_is_tried_once_more(tmp_path, monkeypatch, failures, started):
+def test_a_start_failing_on_an_import_race_is_tried_once_more(
+    tmp_path, monkeypatch, failures, started, error
+):
     monkeypatch.setitem(trackers_module.TRACKER_CLASSES, "wandb", RacingOnce)
     monkeypatch.setattr(RacingOnce, "failures", failures)
+    monkeypatch.setattr(RacingOnce, "error", error)
     lines: list[str] = []
     trackers = Trackers(["wandb"], tmp_path, {"run": {"name": "eager"}}, lines.append)
     trackers.close("finished")
@@ -420,10 +433,54 @@ def test_a_start_failing_on_python_s_ast_race_is_tried_once_more(tmp_path, monke
     if started:
         assert lines == [] and json.loads((tmp_path / "trackers.json").read_text())["wandb"]["run_id"] == "r1"
     else:
-        assert lines == [
-            "tracker wandb: cannot start (SystemError: AST constructor recursion depth mismatch (before=210, "
-            "after=316)); the run goes on without it"
-        ]
+        said = f"{type(error).__name__}: {error}"
+        assert lines == [f"tracker wandb: cannot start ({said}); the run goes on without it"]
+
+
+def test_trackers_import_their_packages_one_at_a_time(tmp_path, monkeypatch):
+    """Two packages imported on two threads at once can each wait for a module the other holds."""
+    log = tmp_path / "imports.log"
+    for package in ("slow_tracker_a", "slow_tracker_b"):
+        (tmp_path / f"{package}.py").write_text(
+            f"import time\nwith open({str(log)!r}, 'a') as f:\n    f.write('enter {package}\\n')\n"
+            f"time.sleep(0.3)\nwith open({str(log)!r}, 'a') as f:\n    f.write('leave {package}\\n')\n"
+        )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def tracker_class(name, package):
+        def load(self):
+            importlib.import_module(package)
+
+        return type(name, (RacingOnce,), {"name": name, "load": load, "start": lambda *_: {}})
+
+    monkeypatch.setitem(trackers_module.TRACKER_CLASSES, "mlflow", tracker_class("mlflow", "slow_tracker_a"))
+    monkeypatch.setitem(trackers_module.TRACKER_CLASSES, "wandb", tracker_class("wandb", "slow_tracker_b"))
+    lines: list[str] = []
+    try:
+        Trackers(["mlflow", "wandb"], tmp_path, {"run": {"name": "eager"}}, lines.append).close("finished")
+    finally:
+        for package in ("slow_tracker_a", "slow_tracker_b"):
+            sys.modules.pop(package, None)
+    events = log.read_text().split("\n")[:-1]
+    assert lines == [] and len(events) == 4
+    entered_left = [event.split() for event in events]  # each package left before the next entered
+    assert [kind for kind, _ in entered_left] == ["enter", "leave", "enter", "leave"], events
+    assert entered_left[0][1] == entered_left[1][1] and entered_left[2][1] == entered_left[3][1], events
+
+
+def test_a_missing_package_is_said_as_missing_not_tried_again(tmp_path, monkeypatch):
+    def load(self):
+        import no_such_tracker_package  # noqa: F401
+
+    tracker = type("wandb", (RacingOnce,), {"load": load})
+    monkeypatch.setitem(trackers_module.TRACKER_CLASSES, "wandb", tracker)
+    lines: list[str] = []
+    trackers = Trackers(["wandb"], tmp_path, {"run": {"name": "eager"}}, lines.append)
+    trackers.close("finished")
+    assert trackers.workers[0].tracker.starts == 0
+    assert lines == [
+        "tracker wandb: the wandb package is missing (pip install wandb==0.31.0); the run goes on without it"
+    ]
 
 
 def test_another_system_error_at_the_start_is_not_tried_again(tmp_path, monkeypatch):

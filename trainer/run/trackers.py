@@ -115,14 +115,19 @@ class MlflowTracker:
             return str(legacy)
         return f"sqlite:///{self.out_dir.resolve() / 'mlflow.db'}"
 
+    def load(self) -> None:
+        """The packages the store needs, imported."""
+        uri = self.store_uri()
+        scheme = uri.split(":", 1)[0].split("+", 1)[0] if "://" in uri else ""
+        if scheme in DATABASE_SCHEMES and not all(map(importlib.util.find_spec, ("sqlalchemy", "alembic"))):
+            raise MissingPackage(f"MLflow's {scheme} store needs SQLAlchemy and alembic, which are missing")
+        import mlflow.entities  # noqa: F401
+
     def start(self, state: dict, config: dict[str, Any]) -> dict:
         """Continue the run state names when it is in the same store, else create one; the new state."""
         uri = self.store_uri()
         for name, value in MLFLOW_HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
-        scheme = uri.split(":", 1)[0].split("+", 1)[0] if "://" in uri else ""
-        if scheme in DATABASE_SCHEMES and not all(map(importlib.util.find_spec, ("sqlalchemy", "alembic"))):
-            raise MissingPackage(f"MLflow's {scheme} store needs SQLAlchemy and alembic, which are missing")
         from mlflow import MlflowClient
 
         # MLflow says at INFO level that it creates a new database's tables: not news for the run's log.
@@ -186,6 +191,9 @@ class WandbTracker:
     def __init__(self, out_dir: Path, run_name: str):
         self.out_dir, self.run_name = out_dir, run_name
         self.kinds: set[str] = set()
+
+    def load(self) -> None:
+        import wandb  # noqa: F401
 
     def start(self, state: dict, config: dict[str, Any]) -> dict:
         import wandb
@@ -367,9 +375,20 @@ class Trackers:
                 self.unwritable = True
 
 
-def ast_race(exc: SystemError) -> bool:
-    """CPython's spurious failure of an ast parse made on two threads at once (gh-106905)."""
-    return "AST constructor recursion depth mismatch" in str(exc)
+# One tracker's packages are imported at a time: two threads importing packages that share
+# dependencies (mlflow's and wandb's both take protobuf, pydantic, requests) can each hold a module
+# the other waits for, and CPython then hands one of them a partially initialized module.
+PACKAGE_IMPORTS = threading.Lock()
+
+
+def import_race(exc: Exception) -> bool:
+    """A spurious failure of an import made beside another thread's: CPython 3.11's ast parse on two
+    threads at once (gh-106905), or a module handed over partially initialized to break a cycle of
+    import locks between threads."""
+    text = str(exc)
+    if isinstance(exc, SystemError):
+        return "AST constructor recursion depth mismatch" in text
+    return isinstance(exc, (AttributeError, ImportError)) and "partially initialized module" in text
 
 
 class TrackerWorker:
@@ -419,14 +438,13 @@ class TrackerWorker:
         sent = self.state.get("events_sent", 0)
         try:
             try:
-                started = self.tracker.start(self.state, self.config)
-            except SystemError as exc:
-                if not ast_race(exc):
+                started = self.import_and_start()
+            except (SystemError, AttributeError, ImportError) as exc:
+                if not import_race(exc):
                     raise
-                # CPython 3.11 (gh-106905): the ast module's depth counter is shared by threads, so
-                # an import that parses source beside another thread's (the target's load) can fail
-                # though nothing is wrong. Rare: once more.
-                started = self.tracker.start(self.state, self.config)
+                # The main thread imports beside this one (the target's load): rare, and nothing is
+                # wrong, so once more.
+                started = self.import_and_start()
             self.state = {**started, "events_sent": sent}
         except ImportError as exc:
             self.dead = True
@@ -441,6 +459,12 @@ class TrackerWorker:
             return False
         self.owner.save(name, self.state)
         return True
+
+    def import_and_start(self) -> dict:
+        if hasattr(self.tracker, "load"):
+            with PACKAGE_IMPORTS:
+                self.tracker.load()
+        return self.tracker.start(self.state, self.config)
 
     def call(self, method: str, *args: Any) -> bool:
         """One call on the tracker; one that fails is warned about once and the tracker left out."""
