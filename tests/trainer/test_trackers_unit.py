@@ -82,6 +82,9 @@ class StandIn:
     def __init__(self, out_dir, run_name):
         self.calls = StandIn.calls  # this test's list, even when an earlier test's thread goes on
 
+    def load(self):
+        pass  # a stand-in imports nothing
+
     def call(self, what, *args):
         if what == self.fail_on:
             raise ConnectionError("http://user:pw@127.0.0.1:9/ refused")
@@ -405,6 +408,9 @@ class RacingOnce:
     def __init__(self, out_dir, run_name):
         self.starts = 0
 
+    def load(self):
+        pass  # a stand-in imports nothing
+
     def start(self, state, config):
         self.starts += 1
         if self.starts <= RacingOnce.failures:
@@ -418,18 +424,24 @@ class RacingOnce:
         pass
 
 
+def started_alone(tmp_path, monkeypatch, tracker_class) -> tuple:
+    """The tracker wandb as `tracker_class`, started and closed alone: (the tracker, the run's lines)."""
+    monkeypatch.setitem(trackers_module.TRACKER_CLASSES, "wandb", tracker_class)
+    lines: list[str] = []
+    trackers = Trackers(["wandb"], tmp_path, {"run": {"name": "eager"}}, lines.append)
+    trackers.close("finished")
+    return trackers.workers[0].tracker, lines
+
+
 @pytest.mark.parametrize("error", [AST_RACE, LOCK_CYCLE], ids=["ast-parse", "import-lock-cycle"])
 @pytest.mark.parametrize(("failures", "started"), [(1, True), (2, False)])
 def test_a_start_failing_on_an_import_race_is_tried_once_more(
     tmp_path, monkeypatch, failures, started, error
 ):
-    monkeypatch.setitem(trackers_module.TRACKER_CLASSES, "wandb", RacingOnce)
     monkeypatch.setattr(RacingOnce, "failures", failures)
     monkeypatch.setattr(RacingOnce, "error", error)
-    lines: list[str] = []
-    trackers = Trackers(["wandb"], tmp_path, {"run": {"name": "eager"}}, lines.append)
-    trackers.close("finished")
-    assert trackers.workers[0].tracker.starts == 2
+    tracker, lines = started_alone(tmp_path, monkeypatch, RacingOnce)
+    assert tracker.starts == 2
     if started:
         assert lines == [] and json.loads((tmp_path / "trackers.json").read_text())["wandb"]["run_id"] == "r1"
     else:
@@ -472,12 +484,8 @@ def test_a_missing_package_is_said_as_missing_not_tried_again(tmp_path, monkeypa
     def load(self):
         import no_such_tracker_package  # noqa: F401
 
-    tracker = type("wandb", (RacingOnce,), {"load": load})
-    monkeypatch.setitem(trackers_module.TRACKER_CLASSES, "wandb", tracker)
-    lines: list[str] = []
-    trackers = Trackers(["wandb"], tmp_path, {"run": {"name": "eager"}}, lines.append)
-    trackers.close("finished")
-    assert trackers.workers[0].tracker.starts == 0
+    tracker, lines = started_alone(tmp_path, monkeypatch, type("wandb", (RacingOnce,), {"load": load}))
+    assert tracker.starts == 0
     assert lines == [
         "tracker wandb: the wandb package is missing (pip install wandb==0.31.0); the run goes on without it"
     ]
@@ -489,11 +497,8 @@ def test_another_system_error_at_the_start_is_not_tried_again(tmp_path, monkeypa
             self.starts += 1
             raise SystemError("error return without exception set")
 
-    monkeypatch.setitem(trackers_module.TRACKER_CLASSES, "wandb", Broken)
-    lines: list[str] = []
-    trackers = Trackers(["wandb"], tmp_path, {"run": {"name": "eager"}}, lines.append)
-    trackers.close("finished")
-    assert trackers.workers[0].tracker.starts == 1
+    tracker, lines = started_alone(tmp_path, monkeypatch, Broken)
+    assert tracker.starts == 1
     assert lines == [
         "tracker wandb: cannot start (SystemError: error return without exception set); the run goes on "
         "without it"

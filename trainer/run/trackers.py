@@ -461,9 +461,8 @@ class TrackerWorker:
         return True
 
     def import_and_start(self) -> dict:
-        if hasattr(self.tracker, "load"):
-            with PACKAGE_IMPORTS:
-                self.tracker.load()
+        with PACKAGE_IMPORTS:
+            self.tracker.load()
         return self.tracker.start(self.state, self.config)
 
     def call(self, method: str, *args: Any) -> bool:
